@@ -1,0 +1,74 @@
+"""What every kernel module shares: lazy Triton access, launch sizing, and ahead-of-time specs.
+
+Triton is imported only when a kernel module is imported (never by `import ffl_backend`), and the
+module still imports without Triton so the CPU paths keep working on a machine that lacks it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable
+
+try:  # Triton is a declared dependency, but CPU-only users must never be broken by it.
+    import triton
+    import triton.language as tl
+    from torch.library import wrap_triton
+
+    HAS_TRITON = True
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+    wrap_triton = None
+    HAS_TRITON = False
+
+# The largest row a one-program-per-row kernel holds in registers; wider rows loop over blocks.
+MAX_ROW_BLOCK = 8192
+# Hidden sizes and head dims the AOT suite compiles for: SmolLM2 (576), the tiny test configs (64),
+# and a large model (8192), so every block size and warp count the launchers can pick is covered.
+AOT_ROW_SIZES = (64, 576, 2048, 8192, 16384)
+AOT_DTYPES = ("fp32", "fp16", "bf16")
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run on CPU tensors through the interpreter (tests)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(t) -> bool:
+    """Kernels launch for CUDA tensors, or for CPU tensors under the Triton interpreter."""
+    return HAS_TRITON and (t.device.type == "cuda" or (interpreting() and t.device.type == "cpu"))
+
+
+def row_block(n: int) -> int:
+    """Block width for a row of `n` elements: the next power of two, capped at MAX_ROW_BLOCK."""
+    return min(MAX_ROW_BLOCK, 1 << max(0, (n - 1).bit_length()))
+
+
+def row_warps(block: int) -> int:
+    """Warps per row program: enough lanes to give each ~8 elements without spilling."""
+    return max(1, min(16, block // 256))
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """Launch through `wrap_triton` so Inductor sees the kernel when the op is traced."""
+    return wrap_triton(kernel)[grid](*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class AotSpec:
+    """One launch configuration of a kernel, to be compiled ahead of time for a GPU architecture.
+
+    `signature` maps every argument name to a Triton type ("*bf16", "i32", "fp32", "constexpr");
+    `constexprs` gives the values of the constexpr ones; `num_warps` is what the launcher passes.
+    """
+
+    name: str
+    kernel: Callable[..., Any]
+    signature: dict
+    constexprs: dict
+    num_warps: int = 4
+    min_arch: int = 80
+
+
+def ptr(dtype: str) -> str:
+    return "*" + dtype

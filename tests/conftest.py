@@ -1,0 +1,16 @@
+"""Test setup. TRITON_INTERPRET must be set before anything imports triton (transformers does), so
+it is set here, at collection, before any test module is imported."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _fresh_seed(request):
+    """Fresh random inputs per test, reproducible from the test's name."""
+    torch.manual_seed(hash(request.node.nodeid) % (2**31))
+    yield
