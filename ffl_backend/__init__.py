@@ -1,0 +1,45 @@
+"""ffl_backend ("fastflow"): make Hugging Face causal LMs generate faster with the code users have.
+
+`import ffl_backend` is cheap and side-effect free: no transformers import, no Inductor setting
+changed, no op registered. The backend itself is found by `torch.compile(..., backend="fastflow")`
+through an entry point; the names below load their modules on first use.
+"""
+from importlib import import_module
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "fastflow",
+    "BackendOptions",
+    "PATTERN_FAMILIES",
+    "GraphReport",
+    "fusion_reports",
+    "last_report",
+    "clear_reports",
+    "load_smollm2",
+    "smollm2_path",
+]
+
+_LAZY = {
+    "fastflow": "backend",
+    "BackendOptions": "config",
+    "PATTERN_FAMILIES": "config",
+    "GraphReport": "report",
+    "fusion_reports": "report",
+    "last_report": "report",
+    "clear_reports": "report",
+    "load_smollm2": "models",
+    "smollm2_path": "models",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        value = getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'ffl_backend' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

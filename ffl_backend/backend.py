@@ -1,0 +1,68 @@
+"""The `fastflow` torch.compile backend.
+
+Found by name through the `torch_dynamo_backends` entry point (pyproject.toml), so
+`torch.compile(m, backend="fastflow")` works without importing ffl_backend first. It is not also
+registered with `register_backend`: Dynamo would then see the name twice and refuse it.
+
+    Dynamo FX graph -> patterns/ (subgraphs -> torch.ops.fastflow.*) -> Inductor compile_fx
+
+Whatever the patterns do not recognise is left as the model wrote it and compiled by Inductor.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+
+import torch
+
+from .config import BackendOptions
+from .report import GraphReport, next_graph_id, record
+
+logger = logging.getLogger("ffl_backend")
+
+
+def _describe_inputs(example_inputs) -> tuple[str, str]:
+    """(device, dominant floating dtype of the parameters) of a graph, for the report."""
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    device = tensors[0].device.type if tensors else "cpu"
+    dtypes = Counter(str(t.dtype).replace("torch.", "") for t in tensors
+                     if isinstance(t, torch.nn.Parameter) and t.is_floating_point())
+    return device, dtypes.most_common(1)[0][0] if dtypes else "none"
+
+
+def _inductor_patches(opts: BackendOptions, device: str) -> dict:
+    patches = dict(opts.inductor_config)
+    freezing = opts.freezing if opts.freezing is not None else device == "cpu"
+    # Freezing only takes effect for inference graphs (Inductor checks grad mode at compile time).
+    patches.setdefault("freezing", bool(freezing) and not torch.is_grad_enabled())
+    return patches
+
+
+def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
+    """Rewrite `gm` with the fastflow pattern families, then compile it with Inductor.
+
+    `options`: see ffl_backend.config.BackendOptions. The per-graph outcome is in
+    `ffl_backend.fusion_reports()` and logged on logger `ffl_backend`.
+    """
+    from . import kernels
+    from .patterns.manager import fastflow_op_counts, run_passes
+
+    opts = BackendOptions.parse(mode, options)
+    kernels.load_all()
+    device, dtype = _describe_inputs(example_inputs)
+    report = GraphReport(graph_id=next_graph_id(), device=device, dtype=dtype,
+                         num_nodes_before=len(gm.graph.nodes))
+    start = time.perf_counter()
+    gm = run_passes(gm, example_inputs, opts.patterns, report, opts.on_error)
+    report.ops = fastflow_op_counts(gm)
+    report.num_nodes_after = len(gm.graph.nodes)
+    if opts.inductor:
+        from torch._inductor.compile_fx import compile_fx
+
+        compiled = compile_fx(gm, example_inputs, config_patches=_inductor_patches(opts, device))
+    else:
+        compiled = gm.forward
+    report.compile_seconds = time.perf_counter() - start
+    record(report)
+    return compiled

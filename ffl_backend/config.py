@@ -1,0 +1,52 @@
+"""Options of the `fastflow` backend.
+
+Pass them as `torch.compile(model, backend="fastflow", options={...})` or through
+`CompileConfig(backend="fastflow", options={...})`. Unknown keys are an error, so a typo never
+silently disables a feature.
+
+patterns      families to run, in order (default: all of PATTERN_FAMILIES). Unlisted families are
+              skipped; their subgraphs stay as the model wrote them.
+on_error      "fallback" (default): a family whose pass raises is skipped for that graph, with a
+              warning and an entry in the report; the graph keeps its pre-pass form.
+              "raise": re-raise (for development).
+inductor      True (default): compile the rewritten graph with Inductor. False: run it as is
+              (eager), to debug a pattern without Inductor in the way.
+freezing      Inductor freezing (weights become constants; on CPU it lets Inductor pre-pack weights
+              for oneDNN). None (default) = on for inference graphs on CPU, where it was measured to
+              help; see benchmarks/results. Like any constant folding, in-place weight updates after
+              compiling are not seen: call torch._dynamo.reset() after changing weights.
+inductor_config  extra `torch._inductor.config` patches, applied to this compile only.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+PATTERN_FAMILIES = ("horizontal", "rms_norm", "add_rms_norm", "layer_norm", "gated_act", "gelu", "rotary")
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    patterns: tuple = PATTERN_FAMILIES
+    on_error: str = "fallback"
+    inductor: bool = True
+    freezing: bool | None = None
+    inductor_config: dict = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, mode=None, options=None) -> "BackendOptions":
+        if mode not in (None, "default"):
+            raise ValueError(f"fastflow: mode={mode!r} is not supported; pass options={{...}} instead")
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(options) - known
+        if unknown:
+            raise ValueError(f"fastflow: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
+        if "patterns" in options:
+            patterns = tuple(options["patterns"])
+            bad = set(patterns) - set(PATTERN_FAMILIES)
+            if bad:
+                raise ValueError(f"fastflow: unknown pattern families {sorted(bad)}; known: {PATTERN_FAMILIES}")
+            options["patterns"] = patterns
+        if options.get("on_error", "fallback") not in ("fallback", "raise"):
+            raise ValueError("fastflow: on_error must be 'fallback' or 'raise'")
+        return cls(**options)

@@ -1,0 +1,127 @@
+"""Small, shared helpers for reading and editing Dynamo FX graphs.
+
+Dynamo graphs are torch-level: the same math shows up as `torch.rsqrt(x)`, `x.rsqrt()` or
+`operator.mul`, depending on how the model wrote it. `is_op` hides those spellings so each pattern
+family states its structure once.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+# Each logical op: the call_function targets and call_method names Dynamo may emit for it.
+_OPS: dict[str, tuple[set, set]] = {
+    "add": ({operator.add, operator.iadd, torch.add}, {"add"}),
+    "sub": ({operator.sub, torch.sub}, {"sub"}),
+    "mul": ({operator.mul, operator.imul, torch.mul}, {"mul"}),
+    "neg": ({operator.neg, torch.neg}, {"neg"}),
+    "pow": ({operator.pow, torch.pow}, {"pow"}),
+    "mean": ({torch.mean}, {"mean"}),
+    "rsqrt": ({torch.rsqrt}, {"rsqrt"}),
+    "tanh": ({torch.tanh}, {"tanh"}),
+    "cat": ({torch.cat, torch.concat}, set()),
+    "getitem": ({operator.getitem}, set()),
+    "linear": ({torch._C._nn.linear, F.linear}, set()),
+    "silu": ({F.silu, torch.nn.functional.silu, torch._C._nn.silu}, {"silu"}),
+    "gelu": ({F.gelu, torch._C._nn.gelu}, set()),
+    "layer_norm": ({F.layer_norm, torch.layer_norm}, set()),
+    "unsqueeze": ({torch.unsqueeze}, {"unsqueeze"}),
+    # dtype conversions: x.to(dtype), x.float(), x.type_as(y), x.to(dtype=...)
+    "cast": (set(), {"to", "float", "type_as", "half", "bfloat16", "type"}),
+}
+
+
+def is_op(node, name: str) -> bool:
+    """Whether `node` computes the logical op `name` (any of its Dynamo spellings)."""
+    if not isinstance(node, fx.Node):
+        return False
+    funcs, methods = _OPS[name]
+    if node.op == "call_function":
+        return node.target in funcs
+    if node.op == "call_method":
+        return node.target in methods
+    return False
+
+
+def arg(node: fx.Node, index: int, name: str | None = None, default=None):
+    """Positional argument `index`, or keyword `name`, or `default`."""
+    if len(node.args) > index:
+        return node.args[index]
+    if name is not None and name in node.kwargs:
+        return node.kwargs[name]
+    return default
+
+
+def value(node):
+    """The example value Dynamo recorded for a node (a FakeTensor), or None."""
+    return node.meta.get("example_value") if isinstance(node, fx.Node) else None
+
+
+def dtype_of(node):
+    v = value(node)
+    return v.dtype if isinstance(v, torch.Tensor) else None
+
+
+def cast_source(node):
+    """If `node` is a dtype cast, the node it casts; else None."""
+    return node.args[0] if is_op(node, "cast") else None
+
+
+def strip_casts(node):
+    """Follow dtype casts back to the first non-cast node."""
+    while is_op(node, "cast"):
+        node = node.args[0]
+    return node
+
+
+def other_operand(binary: fx.Node, known):
+    """For a commutative binary op with `known` as one operand, the other operand (or None)."""
+    a, b = binary.args[0], binary.args[1] if len(binary.args) > 1 else None
+    if a is known:
+        return b
+    if b is known:
+        return a
+    return None
+
+
+def single_user(node: fx.Node):
+    """The only user of `node`, or None when it has zero or several."""
+    users = list(node.users)
+    return users[0] if len(users) == 1 else None
+
+
+def scalar(x):
+    """A Python number argument (literal in the graph), or None."""
+    return x if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
+def copy_meta(new: fx.Node, old: fx.Node) -> fx.Node:
+    """Carry Dynamo's metadata (example value, source location) to a replacement node."""
+    for key in ("example_value", "val", "stack_trace", "nn_module_stack", "source_fn_stack"):
+        if key in old.meta:
+            new.meta[key] = old.meta[key]
+    return new
+
+
+def erase_dead(graph: fx.Graph, nodes) -> None:
+    """Erase the given matched nodes once nothing uses them (reverse topological order).
+
+    Only nodes a pattern matched are erased: a graph-wide dead-code pass could drop the
+    in-place KV-cache writes (`index_copy_`) that have no users but must stay.
+    """
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in sorted(set(nodes), key=lambda n: order.get(n, -1), reverse=True):
+        if node.graph is graph and not node.users and node.op in ("call_function", "call_method"):
+            graph.erase_node(node)
+
+
+def call_op(graph: fx.Graph, op, args, like: fx.Node, n_outputs: int = 1):
+    """Insert `op(*args)` before `like`; return the node, or its `n_outputs` getitem nodes."""
+    with graph.inserting_before(like):
+        node = graph.call_function(op, tuple(args))
+        if n_outputs == 1:
+            return node
+        return node, [graph.call_function(operator.getitem, (node, i)) for i in range(n_outputs)]

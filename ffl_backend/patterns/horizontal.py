@@ -1,0 +1,103 @@
+"""Horizontal fusion: linears that read the same input become one matmul, then a split.
+
+    q, k, v = x @ Wq.T, x @ Wk.T, x @ Wv.T      ->   qkv = x @ cat(Wq, Wk, Wv).T; q, k, v = split(qkv)
+    gate, up = x @ Wg.T, x @ Wu.T               ->   same
+
+At batch 1 each linear is a GEMV dominated by fixed per-call cost, so 5 calls per layer become 2.
+The concatenation is constant-folded here, once, at compile time, and attached to the graph module
+as a constant. Parameters cannot be re-pointed from inside a compile (AOT autograd re-checks their
+storage offsets against Dynamo's record), so a plain backend compile holds a fused copy of those
+weights. `share_fused_storage(model)` (called by `ffl_backend.optimize`) makes the projections
+views of one tensor beforehand; the pass then finds that tensor and copies nothing.
+"""
+from __future__ import annotations
+
+import operator
+from collections import defaultdict
+
+import torch
+import torch.fx as fx
+
+from . import fx_utils as U
+
+FUSED_PREFIX = "_fastflow_fused_weight"
+
+
+def _candidate(node, ctx):
+    """(input, weight tensor, bias tensor or None) for a linear on parameters, else None."""
+    if not U.is_op(node, "linear"):
+        return None
+    x, w_node, b_node = node.args[0], U.arg(node, 1, "weight"), U.arg(node, 2, "bias")
+    w = ctx.tensor(w_node)
+    if not isinstance(w, torch.nn.Parameter) or w.dim() != 2:
+        return None
+    b = ctx.tensor(b_node) if b_node is not None else None
+    if b_node is not None and not isinstance(b, torch.nn.Parameter):
+        return None
+    return x, w, b
+
+
+def _shared_base(tensors):
+    """The tensor these are consecutive row blocks of (from an earlier compile), or None."""
+    base = tensors[0]._base
+    if base is None or any(t._base is not base for t in tensors) or not base.is_contiguous():
+        return None
+    offset = base.storage_offset()
+    for t in tensors:
+        if t.storage_offset() != offset or not t.is_contiguous():
+            return None
+        offset += t.numel()
+    return base if offset == base.storage_offset() + base.numel() else None
+
+
+@torch.no_grad()
+def _fuse_tensors(tensors):
+    """cat(tensors) along dim 0 -- or, when they already are consecutive slices of one tensor
+    (see `share_fused_storage`), that tensor itself, so nothing is copied."""
+    base = _shared_base(tensors)
+    return base if base is not None else torch.cat([t.detach() for t in tensors], dim=0)
+
+
+def _attach(gm: fx.GraphModule, tensor) -> str:
+    """Register as a buffer of the graph module. AOT autograd lifts buffers to inputs and wants a
+    Dynamo source for each (for guard dedup); a constant source names it, as it has no user origin."""
+    from torch._dynamo.source import ConstantSource
+
+    name = f"{FUSED_PREFIX}_{sum(1 for n, _ in gm.named_buffers() if n.startswith(FUSED_PREFIX))}"
+    gm.register_buffer(name, tensor)
+    if hasattr(gm, "_param_name_to_source"):
+        gm._param_name_to_source[name] = ConstantSource(name)
+    return name
+
+
+def horizontal_pass(gm: fx.GraphModule, ctx) -> int:
+    """Fuse every group of >= 2 parameter linears reading the same input (same dtype, bias-ness)."""
+    graph = gm.graph
+    groups = defaultdict(list)
+    for node in graph.nodes:
+        found = _candidate(node, ctx)
+        if found is not None:
+            x, w, b = found
+            groups[(x, w.dtype, w.device, w.shape[1], b is not None)].append((node, w, b))
+    count = 0
+    for (x, *_), members in groups.items():
+        if len(members) < 2:
+            continue
+        nodes, weights, biases = zip(*members)
+        if len({id(w) for w in weights}) != len(weights):
+            ctx.decline("horizontal", nodes[0], "the same weight appears twice")
+            continue
+        sizes = [w.shape[0] for w in weights]
+        first = nodes[0]
+        with graph.inserting_before(first):
+            w_attr = graph.get_attr(_attach(gm, _fuse_tensors(list(weights))))
+            b_attr = graph.get_attr(_attach(gm, _fuse_tensors(list(biases)))) if biases[0] is not None else None
+            fused = graph.call_function(torch._C._nn.linear, (x, w_attr, b_attr))
+            parts = graph.call_function(torch.split, (fused, sizes), {"dim": -1})
+            outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(nodes))]
+        for old, new in zip(nodes, outs):
+            U.copy_meta(new, old)
+            old.replace_all_uses_with(new)
+        U.erase_dead(graph, nodes)
+        count += 1
+    return count

@@ -1,0 +1,89 @@
+"""The pass manager: runs the enabled pattern families over a Dynamo graph, in a fixed order.
+
+Order matters: horizontal fusion first (it changes which linears feed the gates), then norms (the
+residual-add fold needs the RMSNorm op in place), then activations, then rotary. Each family runs
+on a copy-on-failure basis: if a pass raises, the graph is restored to its state before that pass.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+import torch.fx as fx
+
+from . import activations, horizontal, norms, rotary
+
+logger = logging.getLogger("ffl_backend")
+
+PASSES = {
+    "horizontal": horizontal.horizontal_pass,
+    "rms_norm": norms.rms_norm_pass,
+    "add_rms_norm": norms.add_rms_norm_pass,
+    "layer_norm": norms.layer_norm_pass,
+    "gated_act": activations.gated_act_pass,
+    "gelu": activations.gelu_pass,
+    "rotary": rotary.rotary_pass,
+}
+
+
+class PassContext:
+    """What passes may know about the graph beyond its nodes: the real input tensors."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs, report):
+        self.gm = gm
+        self.report = report
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        self.inputs = {n: t for n, t in zip(placeholders, example_inputs) if isinstance(t, torch.Tensor)}
+
+    def tensor(self, node):
+        """The real tensor behind a placeholder node (None for anything else)."""
+        return self.inputs.get(node)
+
+    def is_param(self, node) -> bool:
+        return isinstance(self.tensor(node), torch.nn.Parameter)
+
+    def is_vector_param(self, node) -> bool:
+        t = self.tensor(node)
+        return isinstance(t, torch.nn.Parameter) and t.dim() == 1
+
+    def decline(self, family: str, node, why: str) -> None:
+        self.report.declined[family] += 1
+        self.report.reasons.append((family, getattr(node, "name", str(node)), why))
+
+
+def run_passes(gm: fx.GraphModule, example_inputs, families, report, on_error="fallback") -> fx.GraphModule:
+    """Apply each family in `families` (in PASSES order); fill `report.matches` / `fallbacks`."""
+    ctx = PassContext(gm, example_inputs, report)
+    for family in (f for f in PASSES if f in families):
+        saved = _snapshot(gm.graph)
+        try:
+            report.matches[family] += PASSES[family](gm, ctx)
+            gm.graph.lint()
+        except Exception as exc:  # a broken pattern must never break the user's model
+            if on_error == "raise":
+                raise
+            logger.warning("fastflow: pattern family %r failed (%s: %s); graph left without it",
+                           family, type(exc).__name__, exc)
+            report.fallbacks[family] = f"{type(exc).__name__}: {exc}"
+            report.matches[family] = 0
+            gm.graph = saved
+    gm.recompile()
+    return gm
+
+
+def _snapshot(graph: fx.Graph) -> fx.Graph:
+    """A node-for-node copy (meta dicts shallow-copied, so fake tensors are shared, not cloned)."""
+    copy = fx.Graph(owning_module=graph.owning_module)
+    out = copy.graph_copy(graph, {})
+    copy.output(out)
+    return copy
+
+
+def fastflow_op_counts(gm: fx.GraphModule) -> Counter:
+    """fastflow op name -> number of call sites in `gm`."""
+    counts = Counter()
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "namespace", None) == "fastflow":
+            counts[node.target._opname] += 1
+    return counts
