@@ -46,7 +46,7 @@ def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     `ffl_backend.fusion_reports()` and logged on logger `ffl_backend`.
     """
     from . import kernels
-    from .patterns.manager import fastflow_op_counts, run_passes
+    from .patterns.manager import fastflow_op_counts, run_passes, unfused_anchor_counts
 
     opts = BackendOptions.parse(mode, options)
     kernels.load_all()
@@ -56,6 +56,7 @@ def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     start = time.perf_counter()
     gm = run_passes(gm, example_inputs, opts.patterns, report, opts.on_error)
     report.ops = fastflow_op_counts(gm)
+    report.unfused = unfused_anchor_counts(gm)
     report.num_nodes_after = len(gm.graph.nodes)
     if opts.inductor:
         from torch._inductor.compile_fx import compile_fx

@@ -24,6 +24,7 @@ class GraphReport:
     declined:   pattern family -> number of candidate sites left as they were (see `reasons`)
     fallbacks:  families whose pass raised; the graph kept its pre-pass form (never a wrong result)
     ops:        fastflow op name -> count in the final graph
+    unfused:    anchor op (rsqrt, silu, gelu, layer_norm, tanh) -> count left in the final graph
     recompile:  True when Dynamo compiled this graph again for a code object it had already seen
     guard_failure: the guard that failed for that recompile, when Dynamo reported one
     """
@@ -38,6 +39,7 @@ class GraphReport:
     reasons: list = dataclasses.field(default_factory=list)
     fallbacks: dict = dataclasses.field(default_factory=dict)
     ops: Counter = dataclasses.field(default_factory=Counter)
+    unfused: Counter = dataclasses.field(default_factory=Counter)
     compile_seconds: float = 0.0
     recompile: bool = False
     guard_failure: str | None = None
@@ -54,7 +56,7 @@ class GraphReport:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for key in ("matches", "declined", "ops"):
+        for key in ("matches", "declined", "ops", "unfused"):
             d[key] = dict(d[key])
         return d
 

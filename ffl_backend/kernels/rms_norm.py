@@ -21,10 +21,15 @@ from ._triton import (AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, pt
 
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
                  weight_in_fp32: bool = False) -> Tensor:
-    """HF's RMSNorm in HF's cast order (LlamaRMSNorm, or GemmaRMSNorm when weight_in_fp32)."""
-    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    """HF's RMSNorm in HF's cast order (LlamaRMSNorm, or GemmaRMSNorm when weight_in_fp32).
+
+    HF computes in fp32 (`x.float()`); here it is "at least fp32" so a float64 run of this
+    reference is a true high-precision reference for the tests, and fp32/bf16 runs are HF's."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    xf = x.to(acc)
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight_in_fp32:
-        return (normed * (offset + weight.float())).to(x.dtype)
+        return (normed * (offset + weight.to(acc))).to(x.dtype)
     w = weight + offset if offset else weight
     return w * normed.to(x.dtype)
 

@@ -87,3 +87,14 @@ def fastflow_op_counts(gm: fx.GraphModule) -> Counter:
         if node.op == "call_function" and getattr(node.target, "namespace", None) == "fastflow":
             counts[node.target._opname] += 1
     return counts
+
+
+# Ops that every matched family removes: any left in a final graph is math fastflow did not fuse.
+ANCHORS = ("rsqrt", "layer_norm", "silu", "gelu", "tanh")
+
+
+def unfused_anchor_counts(gm: fx.GraphModule) -> Counter:
+    """How many anchor ops (rsqrt, silu, ...) remain in `gm`: zero when every site was fused."""
+    from .fx_utils import is_op
+
+    return Counter(name for node in gm.graph.nodes for name in ANCHORS if is_op(node, name))

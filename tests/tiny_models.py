@@ -1,0 +1,51 @@
+"""Tiny random-weight configs of every supported architecture (no real weights exist here for
+most of them; these exercise structure, pattern matching and numerics against eager)."""
+from __future__ import annotations
+
+import torch
+
+LAYERS = 2
+VOCAB = 128
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=LAYERS, num_attention_heads=4,
+              intermediate_size=96, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+
+
+def tiny_config(arch: str):
+    import transformers as T
+
+    if arch == "llama":
+        return T.LlamaConfig(num_key_value_heads=2, **COMMON)
+    if arch == "mistral":
+        return T.MistralConfig(num_key_value_heads=2, sliding_window=None, **COMMON)
+    if arch == "qwen2":
+        return T.Qwen2Config(num_key_value_heads=2, **COMMON)
+    if arch == "qwen3":
+        return T.Qwen3Config(num_key_value_heads=2, head_dim=16, **COMMON)
+    if arch == "gemma":
+        return T.GemmaConfig(num_key_value_heads=2, head_dim=16, **COMMON)
+    if arch == "phi3":
+        return T.Phi3Config(num_key_value_heads=2, partial_rotary_factor=0.5, **COMMON)
+    if arch == "gpt2":
+        return T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=LAYERS, n_head=4, n_positions=256,
+                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if arch == "gpt_neox":
+        return T.GPTNeoXConfig(rotary_pct=0.25, **COMMON)
+    raise ValueError(arch)
+
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma", "phi3", "gpt2", "gpt_neox")
+
+
+def tiny_model(arch: str, dtype=torch.float32, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=dtype).eval()
+    # Random init leaves norm weights at exactly 1 (and Gemma's at 0); perturb them so a wrong
+    # cast order or a dropped weight would show in the logits.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
