@@ -49,6 +49,13 @@ def row_warps(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
+def rows_2d(t):
+    """A 2-D (rows, cols) view with unit column stride, copying only if the layout needs it. Row
+    views such as the halves of a fused gate_up output (`gu[..., :I]`, row stride 2I) stay views."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 def launch(kernel, grid, *args, **kwargs):
     """Launch through `wrap_triton` so Inductor sees the kernel when the op is traced."""
     return wrap_triton(kernel)[grid](*args, **kwargs)

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._triton import AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, ptr, tl, triton
+from ._triton import rows_2d, AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, ptr, tl, triton
 
 # The constexpr ACT selector values. `approximate` strings are F.gelu's.
 ACT_SILU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2
@@ -87,18 +87,12 @@ if HAS_TRITON:
         tl.store(out_ptr + row * out_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """A 2-D (rows, cols) view with unit column stride, copying only if the layout needs it. The
-    halves of a fused gate_up output, `gu[..., :I]` and `gu[..., I:]`, stay views (row stride 2I)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
 
 def _launch(gate: Tensor, up: Tensor, act: int) -> Tensor:
     if gate.shape != up.shape:
         raise ValueError(f"gate {tuple(gate.shape)} and up {tuple(up.shape)} must have one shape")
     n = gate.shape[-1]
-    g2, u2 = _rows(gate), _rows(up)
+    g2, u2 = rows_2d(gate), rows_2d(up)
     out = torch.empty(gate.shape, dtype=torch.promote_types(gate.dtype, up.dtype), device=gate.device)
     if out.numel() == 0:
         return out

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._triton import (AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, ptr, row_block,
+from ._triton import (rows_2d, AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, ptr, row_block,
                       row_warps, tl, triton)
 
 
@@ -94,12 +94,6 @@ if HAS_TRITON:
             tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """A 2-D (rows, cols) view with unit column stride, copying only if the layout needs it.
-    (Same helper as rms_norm's; a shared copy in _triton would serve both.)"""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
 
 def _check_affine(name: str, p: Optional[Tensor], n: int) -> None:
     if p is not None and p.numel() != n:
@@ -115,7 +109,7 @@ def layer_norm_triton(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # layer_norm keeps x's dtype
     if out.numel() == 0:
         return out  # a zero-size grid is not launchable
-    x2 = _rows(x)
+    x2 = rows_2d(x)
     out2 = out.view(-1, n)
     w = weight.contiguous() if weight is not None else None
     b = bias.contiguous() if bias is not None else None

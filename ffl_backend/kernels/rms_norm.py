@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import (AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, ptr, row_block,
+from ._triton import (rows_2d, AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, ptr, row_block,
                       row_warps, tl, triton)
 
 
@@ -83,20 +83,15 @@ if HAS_TRITON:
                      mask=mask)
 
 
-def _rows(t: Tensor) -> Tensor:
-    """A 2-D (rows, cols) view with unit column stride, copying only if the layout needs it."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
-
 
 def _launch_rms(x: Tensor, residual: Tensor | None, weight: Tensor, eps: float, offset: float,
                 weight_in_fp32: bool) -> tuple[Tensor, Tensor | None]:
     n = x.shape[-1]
-    x2 = _rows(x)
+    x2 = rows_2d(x)
     out = torch.empty(x.shape, dtype=_out_dtype(x, weight, weight_in_fp32), device=x.device)
     out2 = out.view(-1, n)
     if residual is not None:
-        r2 = _rows(residual)
+        r2 = rows_2d(residual)
         hidden = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, residual.dtype), device=x.device)
         h2 = hidden.view(-1, n)
     else:
