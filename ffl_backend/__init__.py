@@ -16,6 +16,7 @@ __all__ = [
     "fusion_reports",
     "last_report",
     "clear_reports",
+    "recompiles",
     "load_smollm2",
     "smollm2_path",
 ]
@@ -28,6 +29,7 @@ _LAZY = {
     "fusion_reports": "report",
     "last_report": "report",
     "clear_reports": "report",
+    "recompiles": "report",
     "load_smollm2": "models",
     "smollm2_path": "models",
 }

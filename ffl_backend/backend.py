@@ -31,6 +31,27 @@ def _describe_inputs(example_inputs) -> tuple[str, str]:
     return device, dtypes.most_common(1)[0][0] if dtypes else "none"
 
 
+_seen_failures: dict = {}
+
+
+def _recompile_info() -> tuple[str | None, bool, str | None]:
+    """(compile id, is this a recompile of an already-compiled frame, the guard that failed).
+
+    Dynamo numbers compiles per frame (`frame_compile_id`); > 0 means an earlier graph for the same
+    code was rejected by a guard. Its reason is the newest entry Dynamo appended to
+    `guard_failures` since the last look."""
+    from torch._dynamo.utils import guard_failures
+
+    cid = torch._guards.CompileContext.current_compile_id()
+    reason = None
+    for code, reasons in list(guard_failures.items()):
+        if len(reasons) > _seen_failures.get(code, 0):
+            reason = str(reasons[-1])
+        _seen_failures[code] = len(reasons)
+    recompile = cid is not None and (cid.frame_compile_id or 0) > 0
+    return (str(cid) if cid is not None else None), recompile, (reason if recompile else None)
+
+
 def _inductor_patches(opts: BackendOptions, device: str) -> dict:
     patches = dict(opts.inductor_config)
     freezing = opts.freezing if opts.freezing is not None else device == "cpu"
@@ -51,8 +72,10 @@ def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     opts = BackendOptions.parse(mode, options)
     kernels.load_all()
     device, dtype = _describe_inputs(example_inputs)
+    compile_id, recompile, guard = _recompile_info()
     report = GraphReport(graph_id=next_graph_id(), device=device, dtype=dtype,
-                         num_nodes_before=len(gm.graph.nodes))
+                         num_nodes_before=len(gm.graph.nodes), compile_id=compile_id,
+                         recompile=recompile, guard_failure=guard)
     start = time.perf_counter()
     gm = run_passes(gm, example_inputs, opts.patterns, report, opts.on_error)
     report.ops = fastflow_op_counts(gm)

@@ -25,6 +25,7 @@ class GraphReport:
     fallbacks:  families whose pass raised; the graph kept its pre-pass form (never a wrong result)
     ops:        fastflow op name -> count in the final graph
     unfused:    anchor op (rsqrt, silu, gelu, layer_norm, tanh) -> count left in the final graph
+    compile_id: Dynamo's "frame/compile-of-that-frame" id
     recompile:  True when Dynamo compiled this graph again for a code object it had already seen
     guard_failure: the guard that failed for that recompile, when Dynamo reported one
     """
@@ -41,6 +42,7 @@ class GraphReport:
     ops: Counter = dataclasses.field(default_factory=Counter)
     unfused: Counter = dataclasses.field(default_factory=Counter)
     compile_seconds: float = 0.0
+    compile_id: str | None = None
     recompile: bool = False
     guard_failure: str | None = None
 
@@ -91,6 +93,11 @@ def total_matches() -> Counter:
     for rep in fusion_reports():
         total.update(rep.matches)
     return total
+
+
+def recompiles() -> list[GraphReport]:
+    """The reports of graphs that were recompiles (each says which guard failed)."""
+    return [r for r in fusion_reports() if r.recompile]
 
 
 def next_graph_id() -> int:

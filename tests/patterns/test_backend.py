@@ -1,0 +1,90 @@
+"""Backend behaviour that does not need a model: fallback, options, recompile reporting."""
+import logging
+
+import pytest
+import torch
+
+import ffl_backend
+from ffl_backend.patterns import manager
+
+
+def rms(x, w):
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+    return w * h.to(x.dtype)
+
+
+def swiglu(g, u):
+    return torch.nn.functional.silu(g) * u
+
+
+def _compile(fn, **options):
+    torch._dynamo.reset()
+    ffl_backend.clear_reports()
+    return torch.compile(fn, backend="fastflow", options={"inductor": False, **options})
+
+
+def test_broken_pattern_falls_back_to_the_original_graph(monkeypatch, caplog):
+    def broken(gm, ctx):
+        for node in gm.graph.nodes:  # damage the graph, then fail: the manager must undo both
+            if node.op == "call_function":
+                node.target = torch.neg
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(manager.PASSES, "rms_norm", broken)
+    x, w = torch.randn(4, 32), torch.nn.Parameter(torch.randn(32))
+    with caplog.at_level(logging.WARNING, logger="ffl_backend"):
+        out = _compile(rms)(x, w)
+    torch.testing.assert_close(out, rms(x, w))
+    rep = ffl_backend.last_report()
+    assert "rms_norm" in rep.fallbacks and "boom" in rep.fallbacks["rms_norm"]
+    assert rep.matches["rms_norm"] == 0 and rep.unfused["rsqrt"] == 1
+    assert "failed" in caplog.text
+
+
+def test_on_error_raise_surfaces_pattern_bugs(monkeypatch):
+    def broken(gm, ctx):
+        raise RuntimeError("boom")
+
+    monkeypatch.setitem(manager.PASSES, "rms_norm", broken)
+    with pytest.raises(Exception, match="boom"):
+        _compile(rms, on_error="raise")(torch.randn(4, 32), torch.nn.Parameter(torch.randn(32)))
+
+
+def test_disabled_family_leaves_its_math_alone():
+    x, w = torch.randn(4, 32), torch.nn.Parameter(torch.randn(32))
+    _compile(rms, patterns=["gated_act"])(x, w)
+    rep = ffl_backend.last_report()
+    assert rep.ops.get("rms_norm", 0) == 0 and rep.unfused["rsqrt"] == 1
+
+
+def test_unrecognised_shape_is_declined_with_a_reason():
+    def not_rms(x):  # rsqrt of a variance but no weight multiply: not an RMSNorm
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    x = torch.randn(4, 32)
+    torch.testing.assert_close(_compile(not_rms)(x), not_rms(x))
+    rep = ffl_backend.last_report()
+    assert rep.matches["rms_norm"] == 0 and rep.declined["rms_norm"] == 1
+    assert any(family == "rms_norm" for family, _, _ in rep.reasons)
+
+
+def test_gated_act_and_report_counts():
+    g, u = torch.randn(3, 40), torch.randn(3, 40)
+    torch.testing.assert_close(_compile(swiglu)(g, u), swiglu(g, u))
+    assert ffl_backend.last_report().ops == {"silu_mul": 1}
+
+
+def test_recompile_is_reported_with_the_failing_guard():
+    compiled = _compile(rms)
+    w = torch.nn.Parameter(torch.randn(16))
+    compiled(torch.randn(3, 16), w)
+    compiled(torch.randn(3, 16), w)
+    assert not ffl_backend.recompiles()
+    torch._dynamo.config.automatic_dynamic_shapes, old = False, torch._dynamo.config.automatic_dynamic_shapes
+    try:
+        compiled(torch.randn(5, 16), w)
+    finally:
+        torch._dynamo.config.automatic_dynamic_shapes = old
+    (rec,) = ffl_backend.recompiles()
+    assert "size mismatch" in rec.guard_failure
