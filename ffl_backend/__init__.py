@@ -19,6 +19,11 @@ __all__ = [
     "recompiles",
     "load_smollm2",
     "smollm2_path",
+    "optimize",
+    "kv_cache_bytes",
+    "quantize",
+    "load_quantized",
+    "QuantConfig",
 ]
 
 _LAZY = {
@@ -32,6 +37,11 @@ _LAZY = {
     "recompiles": "report",
     "load_smollm2": "models",
     "smollm2_path": "models",
+    "optimize": "api",
+    "kv_cache_bytes": "api",
+    "quantize": "quant.api",
+    "load_quantized": "quant.serialization",
+    "QuantConfig": "quant.config",
 }
 
 

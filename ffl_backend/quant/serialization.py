@@ -1,0 +1,159 @@
+"""Save a quantized model and load it back quantized, without re-quantizing.
+
+A saved folder holds `config.json` (the HF config), `model.safetensors` (canonical quantized buffers
+and the high-precision rest) and `ffl_quant.json` (the quant config and each quantized module's
+spec). Loading builds the architecture on the meta device, swaps in empty quantized modules, and
+assigns the saved tensors: the high-precision model is never materialized, so peak memory is the
+quantized model's.
+"""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .api import STATE_ATTR, _set_module, quantized_modules
+from .modules import QuantizedLinear, build_module
+
+logger = logging.getLogger("ffl_backend")
+
+MANIFEST = "ffl_quant.json"
+WEIGHTS = "model.safetensors"
+FORMAT = "ffl_backend.quant"
+VERSION = 1
+
+
+def save_quantized(model: nn.Module, directory) -> Path:
+    """Write `model` (after `ffl_backend.quantize`) to `directory`; returns the folder."""
+    from safetensors.torch import save_file
+
+    modules = quantized_modules(model)
+    if not modules:
+        raise ValueError("save_quantized: the model has no quantized layers; call ffl_backend.quantize first")
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors, aliases = _dedup(model.state_dict())
+    state = getattr(model, STATE_ATTR, {})
+    manifest = {"format": FORMAT, "version": VERSION, "quant_config": state.get("config"),
+                "kept": state.get("kept", {}), "dtype": str(_dtype(model)).removeprefix("torch."),
+                "modules": {name: m.spec() for name, m in modules.items()}, "aliases": aliases,
+                "num_tensors": len(tensors)}
+    save_file(tensors, str(folder / WEIGHTS), metadata={"format": FORMAT, "num_tensors": str(len(tensors))})
+    model.config.save_pretrained(folder)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(folder)
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    return folder
+
+
+def _dtype(model: nn.Module) -> torch.dtype:
+    """The compute dtype: that of the first floating-point parameter (embeddings stay high precision)."""
+    return next(p.dtype for p in model.parameters() if p.is_floating_point())
+
+
+def _dedup(state_dict: dict) -> tuple[dict, dict]:
+    """Safetensors refuses shared storage (tied embeddings): keep one name per tensor, alias the rest."""
+    tensors, aliases, seen = {}, {}, {}
+    for name, t in state_dict.items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key in seen:
+            aliases[name] = seen[key]
+        else:
+            seen[key] = name
+            tensors[name] = t.detach().contiguous()
+    return tensors, aliases
+
+
+def _read_manifest(folder: Path) -> dict:
+    path = folder / MANIFEST
+    if not path.exists():
+        raise FileNotFoundError(f"{folder} is not a saved quantized model: {MANIFEST} is missing "
+                                "(save it with ffl_backend.quant.save_quantized)")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is truncated or corrupt: {exc}") from exc
+    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+        raise ValueError(f"{path}: unsupported format {manifest.get('format')!r} v{manifest.get('version')}")
+    return manifest
+
+
+def _read_weights(folder: Path, device) -> dict:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = folder / WEIGHTS
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing")
+    try:
+        return load_file(str(path), device=str(device))
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise ValueError(f"{path} is truncated or corrupt ({exc}); save the model again") from exc
+
+
+def _check_tensors(model: nn.Module, tensors: dict, folder: Path) -> None:
+    expected = model.state_dict()
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = [f"{k}: saved {tuple(tensors[k].shape)} {tensors[k].dtype}, expected {tuple(v.shape)} {v.dtype}"
+             for k, v in expected.items() if k in tensors and (tensors[k].shape != v.shape or tensors[k].dtype != v.dtype)]
+    if missing or unexpected or wrong:
+        raise ValueError(f"{folder / WEIGHTS} does not match {MANIFEST} and config.json: "
+                         f"missing {missing[:3]}, unexpected {unexpected[:3]}, mismatched {wrong[:3]}")
+
+
+def load_quantized(directory, device="cpu") -> nn.Module:
+    """Rebuild a model saved by `save_quantized`, quantized, in eval mode, on `device`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    folder = Path(directory)
+    manifest = _read_manifest(folder)
+    config = AutoConfig.from_pretrained(folder)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, manifest["dtype"]))
+    for name, spec in manifest["modules"].items():
+        if not isinstance(_get(model, name, folder), nn.Linear):
+            raise ValueError(f"{MANIFEST} names {name}, which is not a linear layer of {type(model).__name__}")
+        _set_module(model, name, build_module(spec, device="meta"))
+    tensors = _read_weights(folder, device)
+    tensors.update({alias: tensors[target] for alias, target in manifest["aliases"].items() if target in tensors})
+    _check_tensors(model, tensors, folder)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    _materialize_buffers(model, device)
+    for m in quantized_modules(model).values():
+        m.finalize()
+    setattr(model, STATE_ATTR, {"config": manifest["quant_config"], "kept": manifest["kept"]})
+    _load_generation_config(model, folder)
+    return model.eval()
+
+
+def _get(model: nn.Module, name: str, folder: Path) -> nn.Module:
+    try:
+        return model.get_submodule(name)
+    except AttributeError as exc:
+        raise ValueError(f"{folder / MANIFEST} names {name}, absent from the model in config.json") from exc
+
+
+@torch.no_grad()
+def _materialize_buffers(model: nn.Module, device) -> None:
+    """Non-persistent buffers (rotary inv_freq) are not saved: allocate and recompute them with the
+    model's own initializer. Anything else left on meta is an error, not a silent garbage tensor."""
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            continue
+        if any(b is not None and b.is_meta for b in module.buffers(recurse=False)):
+            module.to_empty(device=device, recurse=False)
+            model._init_weights(module)
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if left:
+        raise ValueError(f"load_quantized: tensors {left[:3]} were neither saved nor re-creatable")
+
+
+def _load_generation_config(model: nn.Module, folder: Path) -> None:
+    if (folder / "generation_config.json").exists():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(folder)
