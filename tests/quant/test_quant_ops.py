@@ -1,0 +1,138 @@
+"""The quantized linear ops on CPU: each path against its pure-torch reference, opcheck, compile.
+
+Tolerances are dtype-aware. The int8/int4 CPU paths compute in bf16 for every activation dtype
+(torch's packed kernels are 3-15x slower with fp32 activations), so their bound is twice the error
+of the float64 reference run on bf16-rounded inputs and scales with a bf16-rounded output, plus
+atol. W8A8 and fp8 quantize activations exactly as the reference does and are held to equality
+up to float summation order."""
+import pytest
+import torch
+
+from ffl_backend.kernels import quant_linear as K
+from ffl_backend.quant import primitives as P
+
+DTYPES = (torch.float32, torch.bfloat16)
+SHAPES = [(1, 576, 1536), (5, 128, 96), (2, 3, 64, 48)]  # (..., K, N): GEMV, odd M, 3-D input
+ATOL = 1e-2
+
+
+def _inputs(shape, dtype, bias=True):
+    *lead, k, n = shape
+    x = torch.randn(*lead, k, dtype=dtype)
+    w = torch.randn(n, k, dtype=dtype) * 0.05
+    b = torch.randn(n, dtype=dtype) if bias else None
+    return x, w, b
+
+
+def _bf16(t):
+    return t.to(torch.bfloat16) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def _f64(t):
+    return t.double() if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
+def assert_bf16_path_close(out, ref_fn, args):
+    """Error vs the float64 reference <= 2x the error of a bf16 computation of it + ATOL."""
+    exact = ref_fn(*map(_f64, args)).double()
+    bf16_err = (ref_fn(*map(_bf16, args)).double() - exact).abs().max().item()
+    err = (out.double() - exact).abs().max().item()
+    assert out.dtype == args[0].dtype and out.shape == exact.shape
+    assert err <= 2 * bf16_err + ATOL, f"error {err:.3g} > 2 x bf16 error {bf16_err:.3g} + {ATOL}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_int8_cpu_path_matches_reference(dtype, shape):
+    x, w, b = _inputs(shape, dtype)
+    q, s = P.quantize_int8(w)
+    out = torch.ops.fastflow.int8_linear(x, q, s, b, s.to(torch.bfloat16))
+    assert_bf16_path_close(out, K.int8_linear_ref, (x, q, s, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("group", (32, 64))
+def test_int4_cpu_path_matches_reference(dtype, shape, group):
+    x, w, b = _inputs(shape, dtype)
+    q, s, z = P.quantize_int4(w, group)
+    qw = P.pack_int4(q)
+    packed, sz = K.int4_cpu_pack(qw, s, z, group)
+    assert packed is not None  # every N here is a multiple of 16: torch's kernel runs
+    out = torch.ops.fastflow.int4_linear(x, qw, s, z, group, b, packed, sz)
+    assert_bf16_path_close(out, K.int4_linear_ref, (x, qw, s, z, group, b))
+
+
+def test_int4_falls_back_to_reference_where_torch_kernel_cannot_run():
+    x, w, b = _inputs((3, 64, 40), torch.float32)  # N = 40: not a multiple of 16
+    q, s, z = P.quantize_int4(w, 32)
+    qw = P.pack_int4(q)
+    assert K.int4_cpu_pack(qw, s, z, 32) == (None, None)
+    out = torch.ops.fastflow.int4_linear(x, qw, s, z, 32, b, None, None)
+    torch.testing.assert_close(out, K.int4_linear_ref(x, qw, s, z, 32, b), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("static", (False, True))
+def test_w8a8_cpu_path_matches_reference(dtype, shape, static):
+    x, w, b = _inputs(shape, dtype)
+    q, s = P.quantize_int8(w, torch.float32)
+    x_scale = x.abs().max().float() / 127 if static else None
+    smooth = torch.rand(shape[-2]) + 0.5
+    for sm in (None, smooth):
+        out = torch.ops.fastflow.w8a8_linear(x, q, s, x_scale, b, sm)
+        torch.testing.assert_close(out, K.w8a8_linear_ref(x, q, s, x_scale, b, sm))
+
+
+def test_w8a8_reference_is_close_to_float():
+    x, w, _ = _inputs((8, 512, 256), torch.float32, bias=False)
+    q, s = P.quantize_int8(w, torch.float32)
+    assert P.sqnr(x @ w.T, K.w8a8_linear_ref(x, q, s)) > 38.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_fp8_cpu_emulation_matches_reference_and_float(dtype, shape):
+    x, w, b = _inputs(shape, dtype)
+    q, s = P.quantize_fp8(w)
+    out = torch.ops.fastflow.fp8_linear(x, q, s, b)
+    torch.testing.assert_close(out, K.fp8_linear_ref(x, q, s, b))
+    assert P.sqnr(torch.nn.functional.linear(x.double(), w.double(), _f64(b)), out) > 26.0
+
+
+def _op_cases(dtype):
+    x, w, b = _inputs((2, 3, 64, 48), dtype)
+    q8, s8 = P.quantize_int8(w)
+    q4, s4, z4 = P.quantize_int4(w, 32)
+    qw4 = P.pack_int4(q4)
+    packed, sz = K.int4_cpu_pack(qw4, s4, z4, 32)
+    qa, sa = P.quantize_int8(w, torch.float32)
+    qf, sf = P.quantize_fp8(w)
+    return {
+        "int8": (torch.ops.fastflow.int8_linear.default, (x, q8, s8, b, s8.to(torch.bfloat16))),
+        "int4": (torch.ops.fastflow.int4_linear.default, (x, qw4, s4, z4, 32, b, packed, sz)),
+        "int4_ref": (torch.ops.fastflow.int4_linear.default, (x, qw4, s4, z4, 32, None, None, None)),
+        "w8a8": (torch.ops.fastflow.w8a8_linear.default, (x, qa, sa, None, b, None)),
+        "w8a8_static": (torch.ops.fastflow.w8a8_linear.default,
+                        (x, qa, sa, torch.tensor(0.02), None, torch.rand(64) + 0.5)),
+        "fp8": (torch.ops.fastflow.fp8_linear.default, (x, qf, sf, b)),
+    }
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", ["int8", "int4", "int4_ref", "w8a8", "w8a8_static", "fp8"])
+def test_opcheck(dtype, case):
+    op, args = _op_cases(dtype)[case]
+    # opcheck's schema test compares inputs with ops that have no float8 CPU kernel
+    utils = ("test_faketensor", "test_autograd_registration", "test_aot_dispatch_dynamic") if case == "fp8" else None
+    torch.library.opcheck(op, args, test_utils=utils) if utils else torch.library.opcheck(op, args)
+
+
+@pytest.mark.parametrize("case", ["int8", "int4", "w8a8", "fp8"])
+def test_compiled_op_matches_eager(case):
+    op, args = _op_cases(torch.float32)[case]
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda *a: op(*a), fullgraph=True)
+    # Inductor's C++ GEMM template for the packed kernels rounds in a different order: a bf16 ulp
+    torch.testing.assert_close(compiled(*args), op(*args), rtol=2e-2, atol=2e-2)
