@@ -14,6 +14,8 @@ from ..kernels import quant_linear as K
 from . import primitives as P
 from .config import QuantConfig
 
+ALIGN = 64  # bytes: a cache line, and what torch's CPU allocator gives
+
 
 class QuantizedLinear(nn.Module):
     """Common shape bookkeeping; subclasses define `scheme`, their buffers and `forward`."""
@@ -31,7 +33,13 @@ class QuantizedLinear(nn.Module):
                 "dtype": str(self.dtype).removeprefix("torch."), "has_bias": self.bias is not None}
 
     def finalize(self) -> "QuantizedLinear":
-        """Derive the non-persistent CPU forms from the canonical buffers."""
+        """Align the buffers and derive the non-persistent CPU forms from the canonical ones.
+
+        Tensors loaded from safetensors are views into the file at arbitrary offsets;
+        `torch._weight_int8pack_mm` (torch 2.13) segfaults on an unaligned weight for M > 1."""
+        for name, buf in self._buffers.items():
+            if buf is not None and buf.device.type == "cpu" and buf.data_ptr() % ALIGN:
+                self._buffers[name] = buf.clone()
         return self
 
     def dequantized_weight(self) -> Tensor:
@@ -64,6 +72,7 @@ class Int8Linear(QuantizedLinear):
         return m.finalize()
 
     def finalize(self):
+        super().finalize()
         needs_copy = self.scale.device.type == "cpu" and self.scale.dtype != torch.bfloat16
         self.cpu_scale = self.scale.to(torch.bfloat16) if needs_copy else None
         return self
@@ -99,6 +108,7 @@ class Int4Linear(QuantizedLinear):
         return m.finalize()
 
     def finalize(self):
+        super().finalize()
         self.cpu_packed, self.cpu_scale_zeros = K.int4_cpu_pack(self.qweight, self.scale, self.zero, self.group_size)
         return self
 

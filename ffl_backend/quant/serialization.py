@@ -81,17 +81,49 @@ def _read_manifest(folder: Path) -> dict:
     return manifest
 
 
-def _read_weights(folder: Path, device) -> dict:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+# safetensors dtype names -> torch dtypes, for the reader below.
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
+           "U8": torch.uint8, "BOOL": torch.bool}
 
+
+def _read_weights(folder: Path, device) -> dict:
+    """Read model.safetensors into fresh, aligned tensors, one plain read each.
+
+    Not `safetensors.safe_open`: its tensors are views of a file mapping at unaligned offsets, which
+    torch's int8 kernel cannot take (a segfault for M > 1), and aligning them means a second copy
+    next to the mapped pages. This reads the (simple, documented) format straight into torch memory,
+    so peak RSS is the quantized model plus one tensor's worth."""
     path = folder / WEIGHTS
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing")
-    try:
-        return load_file(str(path), device=str(device))
-    except (SafetensorError, OSError, RuntimeError) as exc:
-        raise ValueError(f"{path} is truncated or corrupt ({exc}); save the model again") from exc
+    size = path.stat().st_size
+    with open(path, "rb") as fh:
+        header_len = int.from_bytes(fh.read(8), "little")
+        try:
+            if header_len > size - 8:
+                raise ValueError(f"header of {header_len} bytes in a {size}-byte file")
+            header = json.loads(fh.read(header_len))
+        except ValueError as exc:
+            raise ValueError(f"{path} is truncated or corrupt ({exc}); save the model again") from exc
+        header.pop("__metadata__", None)
+        tensors = {}
+        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            tensors[name] = _read_tensor(fh, path, name, info, 8 + header_len, size).to(device)
+    return tensors
+
+
+def _read_tensor(fh, path: Path, name: str, info: dict, base: int, size: int) -> torch.Tensor:
+    start, end = info["data_offsets"]
+    if base + end > size:
+        raise ValueError(f"{path} is truncated or corrupt: {name} ends at byte {base + end} of {size}")
+    if info["dtype"] not in _DTYPES:
+        raise ValueError(f"{path}: {name} has unsupported dtype {info['dtype']}")
+    buf = torch.empty(end - start, dtype=torch.uint8)
+    fh.seek(base + start)
+    if fh.readinto(memoryview(buf.numpy())) != end - start:
+        raise ValueError(f"{path} is truncated or corrupt: short read of {name}")
+    return buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
 def _check_tensors(model: nn.Module, tensors: dict, folder: Path) -> None:

@@ -30,6 +30,8 @@ def test_round_trip_identical_logits(llama, tmp_path, name):
     assert set(quantized_modules(loaded)) == set(quantized_modules(model))
     assert loaded.lm_head.weight is loaded.model.embed_tokens.weight or not llama.config.tie_word_embeddings
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+    # safetensors views sit at arbitrary file offsets; torch's int8 kernel segfaults on those
+    assert all(b.data_ptr() % 64 == 0 for m in quantized_modules(loaded).values() for b in m.buffers())
 
 
 def test_bf16_round_trip_keeps_dtype(tmp_path):
