@@ -16,7 +16,8 @@ from importlib import import_module
 # Kernel modules with `aot_specs()`; the quantization and attention packages add theirs here.
 AOT_MODULES = ("ffl_backend.kernels.rms_norm", "ffl_backend.kernels.layer_norm",
                "ffl_backend.kernels.gated_act", "ffl_backend.kernels.rotary",
-               "ffl_backend.kernels.gelu_residual")
+               "ffl_backend.kernels.gelu_residual", "ffl_backend.kernels.triton_quant",
+               "ffl_backend.attention.prefill", "ffl_backend.attention.decode")
 
 # Hopper allows 227 KiB of shared memory per block, Ampere (A100) 163 KiB.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
