@@ -42,6 +42,17 @@ def _keep_reason(linear: nn.Linear, config: QuantConfig) -> str | None:
     return None
 
 
+def _warn_kept(cfg: QuantConfig, kept: dict) -> None:
+    """One warning per distinct reason (a model can have hundreds of layers with the same one)."""
+    by_reason: dict[str, list] = {}
+    for name, reason in kept.items():
+        by_reason.setdefault(reason, []).append(name)
+    for reason, names in by_reason.items():
+        shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        logger.warning("quantize(%s): keeping %d layer(s) in high precision (%s): %s",
+                       cfg.scheme, len(names), reason, shown)
+
+
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
@@ -60,13 +71,10 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     targets = select_linears(model, cfg)
     for name, linear in targets.items():
         _check_supported(name, linear, cfg)
-    kept = {}
-    for name in list(targets):
-        reason = _keep_reason(targets[name], cfg)
-        if reason:
-            logger.warning("quantize(%s): keeping %s in high precision: %s", cfg.scheme, name, reason)
-            kept[name] = reason
-            del targets[name]
+    kept = {name: r for name, m in targets.items() if (r := _keep_reason(m, cfg))}
+    for name in kept:
+        del targets[name]
+    _warn_kept(cfg, kept)
     if not targets:
         logger.warning("quantize(%s): no nn.Linear layer matched include=%s skip=%s", cfg.scheme, cfg.include, cfg.skip)
     extra = _calibrate(model, targets, cfg, calibration_data)

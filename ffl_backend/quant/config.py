@@ -54,7 +54,8 @@ class QuantConfig:
 
     @property
     def is_symmetric(self) -> bool:
-        return self.symmetric is not False
+        """int4 defaults to per-group zero points; every other scheme is symmetric only."""
+        return self.symmetric if self.symmetric is not None else self.scheme != "int4"
 
     @property
     def needs_calibration(self) -> bool:

@@ -103,6 +103,13 @@ def test_gemma_norm_is_not_folded():
     assert P.sqnr(gemma(ids).logits, model(ids).logits) > 25.0
 
 
+def test_int4_defaults_to_zero_points(llama):
+    model = ffl_backend.quantize(copy.deepcopy(llama), ffl_backend.QuantConfig("int4", group_size=32))
+    assert not torch.all(model.model.layers[0].mlp.up_proj.zero == 8)
+    model = ffl_backend.quantize(copy.deepcopy(llama), ffl_backend.QuantConfig("int4", group_size=32, symmetric=True))
+    assert torch.all(model.model.layers[0].mlp.up_proj.zero == 8)
+
+
 def test_bad_configs_are_errors():
     cases = [dict(scheme="int3"), dict(scheme="int4", group_size=48), dict(scheme="int8", symmetric=False),
              dict(scheme="int8", static=True), dict(scheme="w8a8", smoothquant_alpha=1.5)]
