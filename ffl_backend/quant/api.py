@@ -97,12 +97,29 @@ def _calibrate(model, targets: dict, cfg: QuantConfig, calibration_data) -> dict
     if calibration_data is None:
         raise ValueError("w8a8 with static=True or smoothquant_alpha needs calibration_data: an iterable of "
                          "input_ids tensors ((1, L) or (B, L)) from text like the model's real inputs")
-    absmax, groups = calibration.collect(model, list(targets), calibration_data)
+    absmax, token_absmax, groups = calibration.collect(model, list(targets), calibration_data)
     missing = [n for n in targets if n not in absmax]
     if missing:
         raise RuntimeError(f"calibration never reached {missing[:3]}{'...' if len(missing) > 3 else ''}")
     own = calibration.smooth(targets, groups, absmax, cfg.smoothquant_alpha) if cfg.smoothquant_alpha is not None else {}
-    return {n: {"x_absmax": absmax[n].max().item(), "smooth": own.get(n)} for n in targets}
+    dynamic = _dynamic_fallbacks(cfg, token_absmax)
+    return {n: {"x_absmax": None if n in dynamic else absmax[n].max().item(), "smooth": own.get(n)}
+            for n in targets}
+
+
+def _dynamic_fallbacks(cfg: QuantConfig, token_absmax: dict) -> set:
+    """Static w8a8 layers whose calibration shows token outliers get per-token scales instead:
+    one static scale would leave typical tokens fewer than 127 / ratio levels."""
+    if not cfg.static:
+        return set()
+    ratios = {n: calibration.token_range_ratio(t) for n, t in token_absmax.items()}
+    dynamic = {n for n, r in ratios.items() if r > cfg.static_range_limit}
+    if dynamic:
+        worst = sorted(dynamic, key=ratios.get, reverse=True)[:3]
+        logger.warning("quantize(w8a8 static): %d of %d layers use dynamic per-token activation scales: "
+                       "token range ratio > %g (worst: %s)", len(dynamic), len(ratios), cfg.static_range_limit,
+                       ", ".join(f"{n} {ratios[n]:.0f}x" for n in worst))
+    return dynamic
 
 
 def quantized_modules(model: nn.Module) -> dict[str, QuantizedLinear]:

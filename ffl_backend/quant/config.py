@@ -22,6 +22,8 @@ class QuantConfig:
                    The other schemes are symmetric by construction.
     static         w8a8 only: one activation scale per layer from calibration data (True) or one per
                    token at run time (False, the default).
+    static_range_limit  w8a8 static: a layer whose largest calibration token exceeds its 99th-percentile
+                   token by more than this factor keeps per-token scales (logged); inf = never.
     smoothquant_alpha  w8a8 only: SmoothQuant migration strength in [0, 1], or None (no smoothing).
     skip, include  fnmatch patterns on module names (e.g. "model.layers.0.*"); a linear is quantized
                    when it matches some `include` pattern and no `skip` pattern.
@@ -31,6 +33,7 @@ class QuantConfig:
     group_size: int = 128
     symmetric: bool | None = None
     static: bool = False
+    static_range_limit: float = 8.0
     smoothquant_alpha: float | None = None
     skip: tuple = DEFAULT_SKIP
     include: tuple = ("*",)

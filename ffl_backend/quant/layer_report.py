@@ -48,7 +48,7 @@ def capture_inputs(model: nn.Module, names: list[str], calibration_data, max_tok
 
 
 def _layer_errors(name: str, linear: nn.Linear, x: torch.Tensor, cfg) -> dict:
-    extra = {"x_absmax": x.abs().max().item()} if cfg.scheme == "w8a8" else {}
+    extra = {"x_absmax": x.abs().max().item() if cfg.static else None} if cfg.scheme == "w8a8" else {}
     qm = MODULES[cfg.scheme].from_linear(linear, cfg, **extra)
     w = linear.weight.detach()
     exact = nn.functional.linear(x.double(), w.double(), None if linear.bias is None else linear.bias.double())

@@ -140,12 +140,12 @@ class W8A8Linear(QuantizedLinear):
     def from_linear(cls, linear: nn.Linear, config: QuantConfig, x_absmax: float | None = None,
                     smooth: Tensor | None = None) -> "W8A8Linear":
         """`linear.weight` must already carry the smoothing factors; `x_absmax` is the calibrated
-        range of the (smoothed) input, needed when `config.static`."""
+        range of the (smoothed) input for a static scale (None: per-token scales at run time)."""
         w = linear.weight.detach()
         m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta",
-                config.static, smooth is not None)
+                x_absmax is not None, smooth is not None)
         m.qweight, m.w_scale = P.quantize_int8(w, torch.float32)
-        if config.static:
+        if x_absmax is not None:
             m.x_scale = torch.tensor(max(float(x_absmax), P.SCALE_EPS) / P.INT8_MAX, device=w.device)
         if smooth is not None:
             m.smooth = smooth.float().to(w.device)

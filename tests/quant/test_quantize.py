@@ -93,6 +93,18 @@ def test_static_w8a8_with_smoothquant_folds_into_norms(llama):
     assert P.sqnr(llama(ids).logits, model(ids).logits) > 25.0
 
 
+def test_static_w8a8_falls_back_to_per_token_on_token_outliers(llama, caplog):
+    calib = _calib()
+    static = ffl_backend.quantize(copy.deepcopy(llama), ffl_backend.QuantConfig(
+        "w8a8", static=True, static_range_limit=float("inf")), calibration_data=calib)
+    assert all(m.x_scale is not None for m in quantized_modules(static).values())
+    with caplog.at_level(logging.WARNING, logger="ffl_backend"):
+        mixed = ffl_backend.quantize(copy.deepcopy(llama), ffl_backend.QuantConfig(
+            "w8a8", static=True, static_range_limit=1.0), calibration_data=calib)
+    assert any(m.x_scale is None for m in quantized_modules(mixed).values())
+    assert "dynamic per-token activation scales" in caplog.text
+
+
 def test_gemma_norm_is_not_folded():
     """Gemma scales by 1 + w: dividing w by s is wrong there, so the modules smooth themselves."""
     gemma = tiny_model("gemma")
