@@ -30,7 +30,10 @@ def configure_generate(model, backend="fastflow", options=None, max_cache_len=No
     gc = model.generation_config
     gc.cache_implementation = "static"
     if max_cache_len is not None:
-        gc.cache_config = {"max_cache_len": int(max_cache_len)}
+        # The cache is sized max(this, prompt + max_new_tokens - 1) at every call: a fixed ceiling keeps
+        # its shape, and so the compiled decode graph, the same across prompt lengths. (A static cache
+        # ignores `cache_config`; `max_cache_len` is the 5.x field generate reads.)
+        gc.max_cache_len = int(max_cache_len)
     if backend is None:
         gc.disable_compile = True
         return model

@@ -1,0 +1,153 @@
+"""`optimize(model)`: make plain `model.generate()` / `pipeline(...)` fast, in place, per instance.
+
+What it sets on *this* model (nothing global, nothing in transformers.models.* rebound):
+1. quantization through `ffl_backend.quantize` when `quant` is given (not undone by `restore`);
+2. the "fastflow" attention implementation (ffl_backend/attention/hf.py) and its mask function;
+3. generation over a static KV cache of fixed shape (batch x max_seq_len), with decode compiled by
+   the fastflow backend (`generation.configure_generate`). The cache length never depends on the
+   prompt, and the attention ops take the filled length as a tensor, so one decode graph serves
+   every step and every prompt length: no recompiles;
+4. a per-instance `generate` that rejects prompt + max_new_tokens > max_seq_len (or a batch above
+   max_batch_size) with a clear error before any work.
+`restore(model)` undoes 2-4.
+
+Compile paths: after `optimize`, `model.generate` compiles decode steps itself. `model.compile(
+backend="fastflow")` compiles the model in place (prefill included) and composes with `optimize`.
+`torch.compile(model, backend="fastflow")` returns a wrapper whose `forward` is compiled but whose
+`.generate` runs the wrapped model's own (uncompiled) forward: only `optimize` accelerates that path.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+logger = logging.getLogger("ffl_backend")
+
+DEFAULT_MAX_SEQ_LEN = 2048
+_STATE = "_fastflow_state"
+
+
+def _text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _layer_lengths(config, seq_len: int, cap_sliding: bool) -> list[int]:
+    """Cache length of every layer: sliding-window layers hold at most `sliding_window` tokens."""
+    layers = config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or (["sliding_attention" if window else "full_attention"] * layers)
+    return [min(seq_len, window) if cap_sliding and window and t == "sliding_attention" else seq_len
+            for t in types[:layers]]
+
+
+def kv_cache_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32, cap_sliding: bool = True) -> int:
+    """Bytes of K and V for every layer: 2 * batch * kv_heads * head_dim * length * itemsize, summed
+    over layers, length = seq_len (or the window for sliding layers when `cap_sliding`). GQA-aware
+    (num_key_value_heads) and honours an explicit `head_dim` (Gemma, Qwen3)."""
+    cfg = _text_config(config)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * batch_size * kv_heads * head_dim * itemsize
+    return sum(per_token * n for n in _layer_lengths(cfg, seq_len, cap_sliding))
+
+
+def _quantize(model, quant):
+    import ffl_backend
+
+    try:
+        quantize = ffl_backend.quantize
+    except AttributeError:
+        raise RuntimeError("optimize(quant=...) needs ffl_backend.quantize, which this build does not "
+                           "provide; call optimize(model) without quant") from None
+    return quantize(model, quant)
+
+
+def _requested(model, args, kwargs) -> tuple[int, int]:
+    """(rows in the cache, total tokens) a generate call asks for, resolved as generate resolves them."""
+    ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
+    if ids is None:
+        ids = kwargs["inputs_embeds"][..., 0]
+    gc = kwargs.get("generation_config") or model.generation_config
+    new = kwargs.get("max_new_tokens", gc.max_new_tokens)
+    total = ids.shape[-1] + new if new is not None else kwargs.get("max_length", gc.max_length)
+    copies = max(kwargs.get("num_beams", gc.num_beams) or 1,
+                 kwargs.get("num_return_sequences", gc.num_return_sequences) or 1)
+    return ids.shape[0] * copies, total
+
+
+def _checked_generate(model, generate, max_batch_size: int, max_seq_len: int):
+    @functools.wraps(generate)
+    def checked(*args, **kwargs):
+        rows, total = _requested(model, args, kwargs)
+        if total > max_seq_len:
+            raise ValueError(f"prompt + max_new_tokens = {total} tokens exceeds max_seq_len={max_seq_len} "
+                             "of this optimized model; shorten the request or call "
+                             "ffl_backend.optimize(model, max_seq_len=...) with a larger limit")
+        if rows > max_batch_size:
+            raise ValueError(f"batch of {rows} sequences (x beams / return sequences) exceeds "
+                             f"max_batch_size={max_batch_size}; call optimize(..., max_batch_size={rows})")
+        return generate(*args, **kwargs)
+
+    return checked
+
+
+def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | None = None,
+             attention: str | None = "fastflow", **backend_options):
+    """Patch `model` in place for fast generation and return it (see the module docstring).
+
+    quant: what `ffl_backend.quantize` takes ("int8", a config, ...), or None.
+    max_batch_size, max_seq_len: the static cache's shape; max_seq_len defaults to
+        min(config.max_position_embeddings, 2048). Requests beyond either raise before any work.
+    attention: "fastflow" (default), another transformers implementation name, or None to keep.
+    backend_options: options of the fastflow backend (ffl_backend.config.BackendOptions).
+    """
+    from .attention import hf
+    from .config import BackendOptions
+    from .generation import configure_generate
+
+    BackendOptions.parse(None, backend_options)  # a typo fails here, not at the first decode step
+    cfg = _text_config(model.config)
+    if max_seq_len is None:
+        max_seq_len = min(getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
+    if max_batch_size < 1 or max_seq_len < 2:
+        raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
+    if getattr(model, _STATE, None) is not None:
+        restore(model)
+    if quant is not None:
+        model = _quantize(model, quant)
+    gc = model.generation_config
+    state = {"generation": {k: getattr(gc, k, None) for k in
+                            ("cache_implementation", "max_cache_len", "compile_config", "disable_compile")}}
+    state["attention"] = hf.install(model, attention)
+    configure_generate(model, backend="fastflow", options=backend_options, max_cache_len=max_seq_len)
+    model.generate = _checked_generate(model, type(model).generate.__get__(model), max_batch_size, max_seq_len)
+    setattr(model, _STATE, state)
+    nbytes = kv_cache_bytes(cfg, max_batch_size, max_seq_len, model.dtype, cap_sliding=False)
+    logger.info("fastflow: static KV cache %d x %d tokens = %.1f MiB (%s); attention=%s",
+                max_batch_size, max_seq_len, nbytes / 2**20, str(model.dtype).replace("torch.", ""),
+                model.config._attn_implementation)
+    return model
+
+
+def restore(model):
+    """Undo `optimize` (attention implementation, generation settings, generate check); quantized
+    weights stay quantized."""
+    state = getattr(model, _STATE, None)
+    if state is None:
+        return model
+    from .attention import hf
+
+    model.__dict__.pop("generate", None)
+    hf.uninstall(model, state["attention"])
+    for key, value in state["generation"].items():
+        setattr(model.generation_config, key, value)
+    for attr in ("_compiled_call", "_last_compile_config"):
+        model.__dict__.pop(attr, None)
+    setattr(model, _STATE, None)
+    return model

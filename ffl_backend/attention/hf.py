@@ -1,0 +1,130 @@
+"""The transformers side: the "fastflow" attention implementation, its mask function, and the
+per-model switch (install / uninstall) that `ffl_backend.optimize` and `restore` use.
+
+transformers hands an attention function (module, q, k, v, mask, scaling, **kwargs) with q
+(B, Hq, Lq, D) and k/v (B, Hkv, Lkv, D) as the cache returned them: with a static cache that is the
+whole cache, Lkv = max_cache_len, and only the 4-D boolean mask tells which slots are written and
+which are left padding. So:
+- mask present (static cache, padding, decode): `attention_decode`, with `filled` = one past the
+  last slot the newest query may see, computed from the mask as a tensor (no guard, no recompile);
+  the op then reads only those slots and ANDs the mask in (left padding stays exact per row).
+- no mask (HF skips it for plain causal attention without padding): `attention_prefill` over the
+  given keys, or over the first Lq slots when a prompt fills an empty static cache.
+
+The mask function is transformers' own `sdpa_mask` (boolean, padding folded in). It must be
+registered under the same name: without one, `_preprocess_mask_arguments` returns no mask at all
+and decode would attend to every slot of the cache, written or not.
+
+Sliding-window layers: transformers' StaticSlidingWindowLayer rolls the cache, but tracks its length
+in a Python int that Dynamo guards on, so compiled decode recompiles at every token until it hits the
+recompile limit (measured: 8 graphs for 20 tokens on a tiny Mistral). `install` therefore gives such
+layers a plain StaticLayer of the full length (per model instance) and the window is applied by the
+op and the sliding mask instead; the price is a cache that is not capped at the window.
+"""
+from __future__ import annotations
+
+import sys
+
+import torch
+from torch import Tensor
+
+from . import decode as _decode  # noqa: F401  (registers torch.ops.fastflow.attention_decode)
+from . import prefill as _prefill  # noqa: F401  (registers torch.ops.fastflow.attention_prefill)
+
+NAME = "fastflow"  # no "flash" in it: transformers would switch on its own FlashAttention paths
+
+
+def filled_length(mask: Tensor) -> Tensor:
+    """One past the last key slot any batch row's newest query may see, as an int64 0-d tensor."""
+    last = mask[:, 0, -1, :].any(0)
+    slots = torch.arange(1, last.shape[-1] + 1, device=mask.device)
+    return (last * slots).amax()
+
+
+def _bool_mask(mask: Tensor) -> Tensor:
+    """HF float masks hold 0 where attending and the dtype's minimum elsewhere."""
+    return mask if mask.dtype == torch.bool else mask == 0
+
+
+def _eager_fallback(module, query, key, value, attention_mask, **kwargs):
+    """The model's own eager attention, for what the ops do not cover (logit softcapping, dropout)."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    if attention_mask is not None and attention_mask.dtype == torch.bool:
+        zero = torch.zeros((), dtype=query.dtype, device=query.device)
+        attention_mask = torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, attention_mask, **kwargs)
+
+
+def fastflow_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                       scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
+                       softcap: float | None = None, **kwargs):
+    if softcap is not None or (dropout and module.training):
+        return _eager_fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                               sliding_window=sliding_window, softcap=softcap, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window = int(sliding_window) if sliding_window else 0
+    if attention_mask is None:
+        if 1 < query.shape[2] < key.shape[2]:
+            # HF skipped the mask for a prompt written from slot 0 of an empty static cache (its
+            # `is_causal` is top-left aligned there): the prompt's keys are the first Lq slots.
+            key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
+        out = torch.ops.fastflow.attention_prefill(query, key, value, scale, window)
+    else:
+        mask = _bool_mask(attention_mask)
+        out = torch.ops.fastflow.attention_decode(query, key, value, filled_length(mask), scale, window, mask)
+    return out.transpose(1, 2), None
+
+
+def register() -> None:
+    """Make "fastflow" a transformers attention implementation (idempotent, global by name only:
+    no model uses it until it is selected for that model)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, fastflow_attention)
+    AttentionMaskInterface.register(NAME, sdpa_mask)
+
+
+def has_sliding_layers(config) -> bool:
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return "sliding_attention" in layer_types
+
+
+def _unrolled_static_cache(model):
+    """A per-instance `_prepare_static_cache` whose sliding layers are full-length StaticLayers."""
+    from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
+
+    original = model._prepare_static_cache
+
+    def prepare(*args, **kwargs):
+        cache = original(*args, **kwargs)
+        layers = getattr(cache, "self_attention_cache", cache).layers
+        for i, layer in enumerate(layers):
+            if isinstance(layer, StaticSlidingWindowLayer):
+                layers[i] = StaticLayer(max_cache_len=model._previous_max_cache_length)
+        return cache
+
+    return prepare
+
+
+def install(model, attention: str | None = NAME) -> dict:
+    """Select `attention` for this model (and unroll sliding caches); returns what `uninstall` needs."""
+    state = {"attn": model.config._attn_implementation, "cache_patch": False}
+    if attention is None:
+        return state
+    if attention == NAME:
+        register()
+    model.set_attn_implementation(attention)
+    if attention == NAME and has_sliding_layers(model.config):
+        model._prepare_static_cache = _unrolled_static_cache(model)
+        state["cache_patch"] = True
+    return state
+
+
+def uninstall(model, state: dict) -> None:
+    if state["cache_patch"]:
+        del model._prepare_static_cache
+    if state["attn"] is not None and model.config._attn_implementation != state["attn"]:
+        model.set_attn_implementation(state["attn"])

@@ -1,0 +1,194 @@
+"""Causal prefill attention: `torch.ops.fastflow.attention_prefill(q, k, v, scale, window)`.
+
+q (B, Hq, Lq, D), k/v (B, Hkv, Lkv, D) with Hq % Hkv == 0 (MHA, GQA, MQA), output (B, Hq, Lq, D) in
+q's dtype; semantics in reference.py (bottom-right causal, optional sliding window, window <= 0 =
+none). transformers uses it when it hands over no mask (plain causal, no padding, no static cache);
+everything with a mask goes through attention_decode, which takes the mask and the filled length.
+
+CUDA: one FlashAttention-2 style Triton kernel. A program owns BLOCK_M queries of one q head and
+streams K/V blocks of the matching kv head (`h // group`: repeated K/V heads are never materialised),
+keeping the softmax online in fp32. Only blocks the causal bound and the window can reach are read.
+The same kernel serves attention_decode's long-query case (`HAS_FILLED`: the key count is read from
+a device tensor, so no host sync) and can AND in a boolean HF mask (`HAS_MASK`).
+
+CPU: the triton_op body is SDPA with `enable_gqa` (no K/V repeat) and `is_causal` when the mask is
+the plain square causal one, else an explicit boolean mask; under torch.compile Inductor traces it.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..kernels._triton import HAS_TRITON, AotSpec, interpreting, launch, ptr, tl, triton
+from .reference import visible
+
+# Head dims of the supported families (64 SmolLM2, 80 Phi-2, 96 Phi-3, 128 Llama/Mistral, 256 Gemma)
+# map to these head blocks; the AOT suite compiles each.
+AOT_BLOCK_DS = (64, 128, 256)
+AOT_DTYPES = ("fp32", "bf16")  # fp16 tiles are bf16's (see aot_specs)
+
+
+def head_block(head_dim: int) -> int:
+    """Power-of-two block of the head dim; tl.dot needs every dimension >= 16."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+def row_cost(head_dim: int, dtype_bytes: int) -> int:
+    """Bytes of one K or V row in a tile, the unit tile sizes are budgeted in."""
+    return head_block(head_dim) * dtype_bytes
+
+
+def tile(head_dim: int, dtype_bytes: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) within Ampere's 163 KiB of shared memory. fp32 "ieee" dots take
+    ~4x the shared memory of bf16 ones (measured by the AOT suite: fp32 D128 at 64x64 needs 176 KiB,
+    fp32 D256 at 32x32 164 KiB), so the tile shrinks as a row costs more bytes."""
+    cost = row_cost(head_dim, dtype_bytes)
+    if cost <= 256:
+        return 64, 64, 4
+    return (32, 32, 4) if cost <= 512 else (16, 16, 4)
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs keep fp32 products ("ieee"); tf32 would cost ~1e-3 relative error vs eager."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def upcast_dot() -> bool:
+    """The Triton interpreter multiplies bf16 operands of tl.dot as their raw uint16 bit patterns
+    (triton/runtime/interpreter.py, create_dot), so interpreted kernels upcast them to fp32 first:
+    exact for bf16/fp16 products, as the tensor cores' fp32 accumulation is."""
+    return interpreting()
+
+
+if HAS_TRITON:
+
+    @triton.jit
+    def dot(a, b, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+        if UPCAST:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a, b, input_precision=DOT_PREC)
+
+    @triton.jit
+    def _flash_kernel(q_ptr, k_ptr, v_ptr, o_ptr, filled_ptr, mask_ptr,
+                      sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m,
+                      sm_b, sm_m, n_heads, group, q_len, kv_len, head_dim, scale, window,
+                      HAS_FILLED: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        pid_m = tl.program_id(0)
+        bh = tl.program_id(1)
+        b = (bh // n_heads).to(tl.int64)
+        h = bh % n_heads
+        kvh = (h // group).to(tl.int64)
+        if HAS_FILLED:
+            kv_len = tl.load(filled_ptr).to(tl.int32)
+        q_start = kv_len - q_len  # absolute position of query 0
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        d_ok = offs_d < head_dim
+        m_ok = offs_m < q_len
+        q = tl.load(q_ptr + b * sq_b + h * sq_h + offs_m[:, None] * sq_m + offs_d[None, :],
+                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        pos = q_start + offs_m
+        # The causal bound of the block's last query, and (with a window) its first query's reach.
+        hi = tl.minimum(kv_len, q_start + (pid_m + 1) * BLOCK_M)
+        lo = 0
+        if window > 0:
+            lo = tl.maximum(0, q_start + pid_m * BLOCK_M - window + 1)
+            lo = (lo // BLOCK_N) * BLOCK_N
+        qk_scale = scale * 1.4426950408889634  # exp2 domain
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            cols = start + offs_n
+            n_ok = cols < hi
+            k = tl.load(k_ptr + b * sk_b + kvh * sk_h + cols[None, :] * sk_n + offs_d[:, None],
+                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)
+            s = dot(q, k, DOT_PREC, UPCAST) * qk_scale
+            ok = (cols[None, :] <= pos[:, None]) & n_ok[None, :] & m_ok[:, None]
+            if window > 0:
+                ok = ok & (pos[:, None] - cols[None, :] < window)
+            if HAS_MASK:
+                hf = tl.load(mask_ptr + b * sm_b + offs_m[:, None] * sm_m + cols[None, :],
+                             mask=m_ok[:, None] & n_ok[None, :], other=0)
+                ok = ok & (hf != 0)
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # fully masked so far: no NaN
+            alpha = tl.math.exp2(m_i - m_safe)
+            p = tl.math.exp2(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + b * sv_b + kvh * sv_h + cols[:, None] * sv_n + offs_d[None, :],
+                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
+            m_i = m_new
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+
+
+def flash_launch(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int,
+                 filled: Tensor | None = None, mask: Tensor | None = None, run=launch) -> Tensor:
+    """Launch `_flash_kernel`; `run` is `launch` (wrap_triton, traceable) or a direct call."""
+    bsz, n_heads, q_len, head_dim = q.shape
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    block_m, block_n, warps = tile(head_dim, q.element_size())
+    if mask is not None:
+        mask = mask.to(torch.bool).expand(bsz, 1, q_len, mask.shape[-1])
+        mask = mask if mask.stride(-1) == 1 else mask.contiguous()
+    grid = (triton.cdiv(q_len, block_m), bsz * n_heads)
+    run(_flash_kernel, grid, q, k, v, out, filled if filled is not None else out,
+        mask if mask is not None else out, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        mask.stride(0) if mask is not None else 0, mask.stride(2) if mask is not None else 0,
+        n_heads, n_heads // k.shape[1], q_len, k.shape[2], head_dim, scale, window,
+        HAS_FILLED=filled is not None, HAS_MASK=mask is not None, DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim), num_warps=warps)
+    return out
+
+
+def attention_prefill_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0) -> Tensor:
+    """The Triton kernel on any tensor Triton can address (CUDA, or CPU under TRITON_INTERPRET)."""
+    return flash_launch(q, k, v, scale, window)
+
+
+def attention_prefill_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0) -> Tensor:
+    q_len, kv_len = q.shape[2], k.shape[2]
+    if window <= 0 and q_len == kv_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    ok = visible(q_len, kv_len, window, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=ok, scale=scale, enable_gqa=True)
+
+
+@torch.library.triton_op("fastflow::attention_prefill", mutates_args=())
+def attention_prefill(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0) -> Tensor:
+    if HAS_TRITON and q.device.type == "cuda":
+        return flash_launch(q, k, v, scale, window)
+    return attention_prefill_cpu(q, k, v, scale, window).contiguous()
+
+
+def aot_specs() -> list[AotSpec]:
+    """Every (dtype, head block) tile the launcher can pick, with the HAS_FILLED/HAS_MASK branches on
+    (their superset of code), plus the plain prefill variant once. fp16 compiles to the same tile
+    shapes, shared memory and registers as bf16, so bf16 stands for both: one compile takes 5-10 s
+    here, and the suite has to stay affordable."""
+    specs = []
+    variants = [(dt, d, True) for dt in AOT_DTYPES for d in AOT_BLOCK_DS] + [("bf16", 128, False)]
+    for dt, block_d, flags in variants:
+        block_m, block_n, warps = tile(block_d, 4 if dt == "fp32" else 2)
+        sig = {"q_ptr": ptr(dt), "k_ptr": ptr(dt), "v_ptr": ptr(dt), "o_ptr": ptr(dt),
+               "filled_ptr": "*i64" if flags else ptr(dt), "mask_ptr": "*i1" if flags else ptr(dt)}
+        sig.update({n: "i64" for n in ("sq_b", "sq_h", "sq_m", "sk_b", "sk_h", "sk_n", "sv_b",
+                                       "sv_h", "sv_n", "so_b", "so_h", "so_m", "sm_b", "sm_m")})
+        sig.update({n: "i32" for n in ("n_heads", "group", "q_len", "kv_len", "head_dim")})
+        sig.update({"scale": "fp32", "window": "i32"})
+        const = {"HAS_FILLED": flags, "HAS_MASK": flags, "DOT_PREC": "ieee" if dt == "fp32" else "tf32",
+                 "UPCAST": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d}
+        sig.update({n: "constexpr" for n in const})
+        specs.append(AotSpec(f"attention_flash[{dt},D{block_d},filled_mask={flags}]",
+                             _flash_kernel, sig, const, num_warps=warps))
+    return specs

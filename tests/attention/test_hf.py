@@ -1,0 +1,140 @@
+"""The "fastflow" transformers attention on tiny random models: greedy tokens equal HF's defaults
+(dynamic cache, sdpa), left-padded batches equal single prompts, sliding windows decode without
+recompiles, limits fail early, and `restore` gives the model back."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import ffl_backend
+from ffl_backend.api import kv_cache_bytes, restore
+from tests.tiny_models import COMMON, tiny_model
+
+# Dynamo + the fastflow passes with the graph run as traced: these tests are about attention and
+# caching, and skip Inductor's C++ compile (test_optimize.py covers the Inductor path).
+FAST = {"inductor": False}
+NEW = 12
+
+
+def _greedy(model, ids, **kw):
+    return model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **kw)
+
+
+def _sliding_model(kind):
+    import transformers as T
+
+    torch.manual_seed(0)
+    small = dict(COMMON, num_key_value_heads=2)
+    if kind == "mistral":
+        config = T.MistralConfig(sliding_window=6, **small)
+    else:  # Gemma-2: sliding and full layers alternate; "softcap" takes the eager fallback
+        config = T.Gemma2Config(head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
+                                attn_logit_softcapping=50.0 if kind == "gemma2_softcap" else None, **small)
+    return T.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _graph_count():
+    return len(ffl_backend.fusion_reports())
+
+
+def test_registration_happens_in_optimize_not_at_import():
+    code = ("import ffl_backend, ffl_backend.api, ffl_backend.attention.hf\n"
+            "from transformers import AttentionInterface\n"
+            "from transformers.masking_utils import AttentionMaskInterface\n"
+            "assert 'fastflow' not in AttentionInterface._global_mapping\n"
+            "assert 'fastflow' not in AttentionMaskInterface._global_mapping\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
+
+
+def test_left_padded_batch_matches_each_prompt_alone():
+    model = tiny_model("llama")
+    prompts = [torch.randint(3, 128, (n,)) for n in (5, 9, 3, 12)]
+    alone = [_greedy(model, p[None])[0, len(p):] for p in prompts]  # HF defaults, before optimize
+    ffl_backend.optimize(model, max_batch_size=4, max_seq_len=64, **FAST)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(4, width, dtype=torch.long)
+    mask = torch.zeros(4, width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    batch = _greedy(model, ids, attention_mask=mask, pad_token_id=0)[:, width:]
+    for row, expected in enumerate(alone):
+        assert torch.equal(batch[row], expected), f"row {row} (prompt {len(prompts[row])} tokens) differs"
+    for p, expected in zip(prompts, alone):  # and batch 1 through the same optimized model
+        assert torch.equal(_greedy(model, p[None])[0, len(p):], expected)
+
+
+@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gemma2_softcap"])
+def test_sliding_window_models_match_eager_without_recompiles(kind):
+    model = _sliding_model(kind)
+    ids = torch.randint(3, 128, (1, 9))  # 9 + 12 tokens: well past the window of 6
+    expected = _greedy(model, ids)
+    ffl_backend.optimize(model, max_seq_len=48, **FAST)
+    before = _graph_count()
+    assert torch.equal(_greedy(model, ids), expected)
+    _greedy(model, torch.randint(3, 128, (1, 4)))  # another prompt length: the same decode graph
+    # One decode graph for both calls. (Its `recompile` flag may be set: Dynamo counts compiles per
+    # code object, and Module.__call__ is shared with the models of earlier tests.)
+    assert _graph_count() - before == 1, [r.summary() for r in ffl_backend.fusion_reports()[before:]]
+
+
+def test_limits_fail_before_any_work():
+    model = ffl_backend.optimize(tiny_model("llama"), max_seq_len=32, **FAST)
+    before = _graph_count()
+    with pytest.raises(ValueError, match="max_seq_len=32"):
+        model.generate(torch.randint(3, 128, (1, 10)), max_new_tokens=30)
+    with pytest.raises(ValueError, match="max_batch_size=1"):
+        model.generate(torch.randint(3, 128, (2, 4)), max_new_tokens=4)
+    with pytest.raises(ValueError, match="unknown option"):
+        ffl_backend.optimize(model, fuse_everything=True)
+    assert _graph_count() == before
+
+
+def test_restore_gives_the_model_back():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 6))
+    expected = _greedy(model, ids)
+    impl, cache = model.config._attn_implementation, model.generation_config.cache_implementation
+    ffl_backend.optimize(model, **FAST)
+    assert model.config._attn_implementation == "fastflow"
+    restore(model)
+    assert model.config._attn_implementation == impl
+    assert model.generation_config.cache_implementation == cache
+    assert "generate" not in model.__dict__
+    assert torch.equal(_greedy(model, ids), expected)
+
+
+def test_model_compile_path_composes_with_optimize():
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 7))
+    expected = _greedy(model, ids)
+    ffl_backend.optimize(model, max_seq_len=64, **FAST)
+    model.compile(backend="fastflow", options=FAST)
+    before = _graph_count()
+    assert torch.equal(_greedy(model, ids), expected)
+    assert _graph_count() > before  # the prefill forward went through fastflow too
+
+
+def test_kv_cache_bytes():
+    import transformers as T
+
+    smol = T.LlamaConfig(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3)
+    assert kv_cache_bytes(smol, 1, 2048, torch.bfloat16) == 2 * 30 * 3 * 64 * 2048 * 2
+    assert kv_cache_bytes(smol, 4, 100, "float32") == 2 * 30 * 4 * 3 * 64 * 100 * 4
+    qwen3 = T.Qwen3Config(num_key_value_heads=2, head_dim=16, **COMMON)  # head_dim != hidden / heads
+    assert kv_cache_bytes(qwen3, 1, 10) == 2 * 2 * 2 * 16 * 10 * 4
+    mistral = T.MistralConfig(num_key_value_heads=2, sliding_window=6, **COMMON)
+    assert kv_cache_bytes(mistral, 1, 100) == 2 * 2 * 2 * 16 * 6 * 4
+    assert kv_cache_bytes(mistral, 1, 100, cap_sliding=False) == 2 * 2 * 2 * 16 * 100 * 4
+    gemma2 = T.Gemma2Config(num_key_value_heads=2, head_dim=32, sliding_window=6, **COMMON)
+    assert kv_cache_bytes(gemma2, 1, 100) == 2 * 2 * 32 * (6 + 100) * 4  # one sliding, one full layer
+
+
+def test_optimize_quant_goes_through_quantize():
+    if not hasattr(ffl_backend, "quantize"):
+        with pytest.raises(RuntimeError, match="ffl_backend.quantize"):
+            ffl_backend.optimize(tiny_model("llama"), quant="int8")
+        return
+    model = ffl_backend.optimize(tiny_model("llama", dtype=torch.bfloat16), quant="int8", max_seq_len=64, **FAST)
+    assert ffl_backend.quant.api.quantized_modules(model)
+    assert _greedy(model, torch.randint(3, 128, (1, 5))).shape == (1, 5 + NEW)
