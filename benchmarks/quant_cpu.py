@@ -68,6 +68,10 @@ def rss(args) -> dict:
 
     if args.model == "int8-load":
         model = ffl_backend.load_quantized(args.dir)
+    elif args.model == "bf16":  # the model alone, like load_quantized (no tokenizer)
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(ffl_backend.smollm2_path(), dtype=torch.bfloat16)
     else:
         model, _ = _model("int8" if args.model == "int8-quantize" else "bf16", torch.bfloat16)
     with torch.no_grad():
