@@ -52,14 +52,6 @@ def _recompile_info() -> tuple[str | None, bool, str | None]:
     return (str(cid) if cid is not None else None), recompile, (reason if recompile else None)
 
 
-def _inductor_patches(opts: BackendOptions, device: str) -> dict:
-    patches = dict(opts.inductor_config)
-    freezing = opts.freezing if opts.freezing is not None else device == "cpu"
-    # Freezing only takes effect for inference graphs (Inductor checks grad mode at compile time).
-    patches.setdefault("freezing", bool(freezing) and not torch.is_grad_enabled())
-    return patches
-
-
 def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     """Rewrite `gm` with the fastflow pattern families, then compile it with Inductor.
 
@@ -84,7 +76,7 @@ def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     if opts.inductor:
         from torch._inductor.compile_fx import compile_fx
 
-        compiled = compile_fx(gm, example_inputs, config_patches=_inductor_patches(opts, device))
+        compiled = compile_fx(gm, example_inputs, config_patches=dict(opts.inductor_config))
     else:
         compiled = gm.forward
     report.compile_seconds = time.perf_counter() - start

@@ -2,7 +2,7 @@
 the `torch.ops.fastflow.<op>` registration. `load_all()` imports (and so registers) every op."""
 from importlib import import_module
 
-KERNEL_MODULES = ("rms_norm", "layer_norm", "gated_act", "rotary", "gelu_residual")
+KERNEL_MODULES = ("rms_norm", "layer_norm", "gated_act", "rotary", "gelu_residual", "packed_linear")
 
 
 def load_all() -> None:

@@ -12,7 +12,7 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from . import activations, horizontal, norms, rotary
+from . import activations, cpu_linear, horizontal, norms, rotary
 
 logger = logging.getLogger("ffl_backend")
 
@@ -24,6 +24,7 @@ PASSES = {
     "gated_act": activations.gated_act_pass,
     "gelu": activations.gelu_pass,
     "rotary": rotary.rotary_pass,
+    "packed_linear": cpu_linear.packed_linear_pass,
 }
 
 

@@ -1,0 +1,46 @@
+import pytest
+import torch
+
+from ffl_backend.kernels import packed_linear as P
+from tests.helpers import assert_matches_reference
+
+SHAPES = [((1, 576), 960), ((5, 123), 77), ((2, 3, 64), 200)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("xshape,n", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_packed_linear_matches_reference(dtype, xshape, n, with_bias):
+    x = torch.randn(xshape, dtype=dtype)
+    w = torch.nn.Parameter(torch.randn(n, xshape[-1], dtype=dtype) / xshape[-1] ** 0.5)
+    b = torch.randn(n, dtype=dtype) if with_bias else None
+    P.prepack(w, 1)
+    assert_matches_reference(torch.ops.fastflow.packed_linear(x, w, b), P.packed_linear_ref, (x, w, b),
+                             interpreted=False)
+
+
+def test_in_place_weight_update_is_repacked_not_served_stale():
+    w = torch.nn.Parameter(torch.randn(64, 32, dtype=torch.bfloat16))
+    x = torch.randn(2, 32, dtype=torch.bfloat16)
+    before = torch.ops.fastflow.packed_linear(x, w)
+    with torch.no_grad():
+        w.mul_(-1)
+    after = torch.ops.fastflow.packed_linear(x, w)
+    torch.testing.assert_close(after, -before)
+    torch.testing.assert_close(after, torch.nn.functional.linear(x, w))
+
+
+def test_freed_weight_leaves_no_entry_behind():
+    w = torch.nn.Parameter(torch.randn(48, 32, dtype=torch.bfloat16))
+    key = P._key(w)
+    P.prepack(w)
+    assert key in P._cache
+    del w
+    assert key not in P._cache
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_opcheck(dtype):
+    x, w = torch.randn(3, 32, dtype=dtype), torch.randn(16, 32, dtype=dtype)
+    torch.library.opcheck(torch.ops.fastflow.packed_linear.default, (x, w, torch.randn(16, dtype=dtype)))
+    torch.library.opcheck(torch.ops.fastflow.packed_linear.default, (x, w, None))
