@@ -136,3 +136,29 @@ def test_compiled_op_matches_eager(case):
     compiled = torch.compile(lambda *a: op(*a), fullgraph=True)
     # Inductor's C++ GEMM template for the packed kernels rounds in a different order: a bf16 ulp
     torch.testing.assert_close(compiled(*args), op(*args), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("case", ["int8", "int4", "w8a8", "w8a8_static", "fp8"])
+def test_triton_launchers_agree_with_references_on_the_layout_contract(case):
+    """The CUDA branch's launchers (run here by the Triton interpreter) and these references read
+    the same buffers the same way: a layout or scale-convention mismatch would show as noise."""
+    from ffl_backend.kernels import _triton, triton_quant as T
+
+    if not _triton.interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest before triton is imported)")
+    x, w, b = _inputs((3, 64, 32), torch.float32)
+    if case == "int8":
+        q, s = P.quantize_int8(w)
+        out, ref = T.int8_linear_triton(x, q, s, b), K.int8_linear_ref(x, q, s, b)
+    elif case == "int4":
+        q, s, z = P.quantize_int4(w, 32)
+        qw = P.pack_int4(q)
+        out, ref = T.int4_linear_triton(x, qw, s, z, 32, b), K.int4_linear_ref(x, qw, s, z, 32, b)
+    elif case.startswith("w8a8"):
+        q, s = P.quantize_int8(w, torch.float32)
+        xs = x.abs().max().float().reshape(1) / 127 if case == "w8a8_static" else None
+        out, ref = T.w8a8_linear_triton(x, q, s, xs, b), K.w8a8_linear_ref(x, q, s, xs, b)
+    else:
+        q, s = P.quantize_fp8(w)
+        out, ref = T.fp8_linear_triton(x, q, s, b), K.fp8_linear_ref(x, q, s, b)
+    assert P.sqnr(ref, out) > 40.0
