@@ -38,16 +38,18 @@ def _candidate(node, ctx):
 
 
 def _shared_base(tensors):
-    """The tensor these are consecutive row blocks of (from an earlier compile), or None."""
-    base = tensors[0]._base
-    if base is None or any(t._base is not base for t in tensors) or not base.is_contiguous():
-        return None
-    offset = base.storage_offset()
+    """A tensor over the storage these already fill as consecutive row blocks (the layout
+    `share_fused_storage` makes), or None. Detected by storage and offsets: `.data` re-pointing
+    does not set `_base`."""
+    first = tensors[0]
+    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
     for t in tensors:
-        if t.storage_offset() != offset or not t.is_contiguous():
+        if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != offset or not t.is_contiguous():
             return None
         offset += t.numel()
-    return base if offset == base.storage_offset() + base.numel() else None
+    rows = sum(t.shape[0] for t in tensors)
+    return first.detach().new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
+                                            (rows, *first.shape[1:]))
 
 
 @torch.no_grad()
@@ -101,3 +103,37 @@ def horizontal_pass(gm: fx.GraphModule, ctx) -> int:
         U.erase_dead(graph, nodes)
         count += 1
     return count
+
+
+# Sibling projections HF models keep separate; fused when they read the same input.
+FUSABLE_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+@torch.no_grad()
+def _share(params) -> None:
+    fused = torch.cat([p.detach() for p in params], dim=0)
+    start = 0
+    for p in params:
+        p.data = fused[start:start + p.shape[0]]
+        start += p.shape[0]
+
+
+@torch.no_grad()
+def share_fused_storage(model: torch.nn.Module) -> int:
+    """Re-point sibling projections (q/k/v, gate/up) to consecutive slices of one tensor, so the
+    horizontal pass uses that tensor as the fused weight and copies nothing. Values and parameter
+    objects are unchanged; returns the number of groups shared. Call before compiling."""
+    groups = 0
+    for module in model.modules():
+        for names in FUSABLE_SIBLINGS:
+            linears = [getattr(module, n, None) for n in names]
+            if not all(isinstance(m, torch.nn.Linear) for m in linears):
+                continue
+            if len({(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in linears}) != 1:
+                continue
+            if _shared_base([m.weight for m in linears]) is None:
+                _share([m.weight for m in linears])
+                if linears[0].bias is not None:
+                    _share([m.bias for m in linears])
+            groups += 1
+    return groups
