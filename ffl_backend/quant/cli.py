@@ -53,7 +53,7 @@ def _config(args, scheme: str):
     if name == "int4":
         kwargs["group_size"] = int(group or args.group_size)
     if name == "w8a8":
-        kwargs.update(static=args.static, smoothquant_alpha=args.alpha)
+        kwargs.update(static=args.static, smoothquant_alpha=args.alpha, static_range_limit=args.static_range_limit)
     return QuantConfig(**kwargs)
 
 
@@ -76,6 +76,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--group-size", type=int, default=128, help="int4 group size (or name a scheme int4-g32)")
     parser.add_argument("--static", action="store_true", help="w8a8: static activation scales from calibration")
     parser.add_argument("--alpha", type=float, default=None, help="w8a8: SmoothQuant alpha")
+    parser.add_argument("--static-range-limit", type=float, default=8.0,
+                        help="w8a8 static: token range ratio above which a layer keeps per-token scales")
     parser.add_argument("--calib-tokens", type=int, default=2048)
     parser.add_argument("--json", help="write the results here as JSON")
 
