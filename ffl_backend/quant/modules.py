@@ -35,8 +35,9 @@ class QuantizedLinear(nn.Module):
     def finalize(self) -> "QuantizedLinear":
         """Align the buffers and derive the non-persistent CPU forms from the canonical ones.
 
-        Tensors loaded from safetensors are views into the file at arbitrary offsets;
-        `torch._weight_int8pack_mm` (torch 2.13) segfaults on an unaligned weight for M > 1."""
+        Buffers assigned from a file mapping (safetensors' safe_open, torch.load(mmap=True)) sit at
+        arbitrary offsets; `torch._weight_int8pack_mm` (torch 2.13) segfaults on an unaligned weight
+        for M > 1. `load_quantized` reads aligned copies; this guards every other route."""
         for name, buf in self._buffers.items():
             if buf is not None and buf.device.type == "cpu" and buf.data_ptr() % ALIGN:
                 self._buffers[name] = buf.clone()
