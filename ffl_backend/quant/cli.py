@@ -46,10 +46,10 @@ def _load(args):
 
 
 def _config(args, scheme: str):
-    from .config import QuantConfig
+    from .config import DEFAULT_SKIP, QuantConfig
 
     name, _, group = scheme.partition("-g")
-    kwargs = {"scheme": name}
+    kwargs = {"scheme": name, "skip": DEFAULT_SKIP + tuple(args.skip)}
     if name == "int4":
         kwargs["group_size"] = int(group or args.group_size)
     if name == "w8a8":
@@ -79,6 +79,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--static-range-limit", type=float, default=8.0,
                         help="w8a8 static: token range ratio above which a layer keeps per-token scales")
     parser.add_argument("--calib-tokens", type=int, default=2048)
+    parser.add_argument("--skip", nargs="*", default=[],
+                        help="more fnmatch patterns of layers to keep in high precision (e.g. from the report)")
     parser.add_argument("--json", help="write the results here as JSON")
 
 
