@@ -126,7 +126,7 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
                             ("cache_implementation", "max_cache_len", "compile_config", "disable_compile")}}
     state["attention"] = hf.install(model, attention)
     configure_generate(model, backend="fastflow", options=backend_options, max_cache_len=max_seq_len)
-    model.generate = _checked_generate(model, type(model).generate.__get__(model), max_batch_size, max_seq_len)
+    model.generate = _checked_generate(model, model.generate, max_batch_size, max_seq_len)
     setattr(model, _STATE, state)
     nbytes = kv_cache_bytes(cfg, max_batch_size, max_seq_len, model.dtype, cap_sliding=False)
     logger.info("fastflow: static KV cache %d x %d tokens = %.1f MiB (%s); attention=%s",

@@ -8,14 +8,5 @@
     reference.py  the pure-torch definition both ops are tested against
     hf.py       the "fastflow" attention + mask functions for transformers, and per-model install/restore
 
-Importing a submodule registers its op; importing this package registers nothing.
+Importing prefill/decode registers their op; importing this package registers nothing.
 """
-from importlib import import_module
-
-OP_MODULES = ("prefill", "decode")
-
-
-def load_all() -> None:
-    """Import (and so register) both attention ops; cheap after the first call."""
-    for name in OP_MODULES:
-        import_module(f"{__name__}.{name}")
