@@ -2,6 +2,10 @@
 
     accelerate launch --cpu --num_processes 2 examples/accelerate_generate.py            # SmolLM2-135M
     accelerate launch --cpu --num_processes 2 examples/accelerate_generate.py --tiny     # random tiny Llama
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 examples/accelerate_generate.py --tiny
+
+Accelerate 1.16 runs `--cpu --num_processes 2` as a single process (its simple launcher fans out only
+through mpirun with a hostfile); the last line gives two real CPU ranks (torchrun + gloo).
 
 The recipe: Accelerate's `DynamoBackend` is a closed enum, so "fastflow" cannot be its dynamo backend
 (`Accelerator(dynamo_backend=...)`, `--dynamo_backend`, `ACCELERATE_DYNAMO_BACKEND` all reject it).
