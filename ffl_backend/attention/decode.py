@@ -184,12 +184,16 @@ def attention_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Te
     """Slice the cache to the filled length, then SDPA (no K/V repeat: enable_gqa)."""
     n = int(filled)  # a CPU tensor: no device sync
     q_len = q.shape[2]
+    k, v = k_cache[:, :, :n], v_cache[:, :, :n]
     ok = mask[..., :n].to(torch.bool) if mask is not None else None
     if q_len > 1 or window > 0:  # one query at the newest position sees every key: no causal mask
         causal = visible(q_len, n, window, q.device)
+        if q_len == n and window <= 0 and (ok is None or bool((ok | ~causal).all())):
+            # A prompt from slot 0 without padding: the mask adds nothing to causality, and SDPA's
+            # is_causal path is ~30% faster than a boolean mask (512-token SmolLM2 prefill, bf16).
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).contiguous()
         ok = causal if ok is None else ok & causal
-    out = F.scaled_dot_product_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], attn_mask=ok,
-                                         scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=ok, scale=scale, enable_gqa=True)
     return out.contiguous()
 
 

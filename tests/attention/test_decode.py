@@ -39,7 +39,7 @@ def test_decode_triton_matches_reference(dtype, hq, hkv, q_len, cache_len, fille
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("q_len,cache_len,filled,d,window", CASES)
+@pytest.mark.parametrize("q_len,cache_len,filled,d,window", CASES + [(33, 80, 33, 16, 0)])  # + a prompt
 @pytest.mark.parametrize("with_mask", [False, True])
 def test_decode_cpu_path_matches_reference(dtype, q_len, cache_len, filled, d, window, with_mask):
     q, k, v = _inputs(dtype, 9, 3, q_len, cache_len, d)
