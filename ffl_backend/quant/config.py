@@ -17,7 +17,9 @@ class QuantConfig:
 
     scheme         "int8" (weight-only, per output channel), "int4" (weight-only, group-wise),
                    "w8a8" (int8 weights and activations), "fp8" (e4m3 weights and activations).
-    group_size     int4 only: 32, 64 or 128 input channels per scale.
+    group_size     int4 only: 32, 64 or 128 input channels per scale; a layer whose in_features it does
+                   not divide stays in high precision (logged). None (default): per layer, the
+                   largest of 128, 64, 32 that divides its in_features (SmolLM2's 576 takes 64).
     symmetric      int4 only: True = zero point fixed at 8; False (default) = per-group zero point.
                    The other schemes are symmetric by construction.
     static         w8a8 only: one activation scale per layer from calibration data (True) or one per
@@ -30,7 +32,7 @@ class QuantConfig:
     """
 
     scheme: str = "int8"
-    group_size: int = 128
+    group_size: int | None = None
     symmetric: bool | None = None
     static: bool = False
     static_range_limit: float = 8.0
@@ -41,7 +43,7 @@ class QuantConfig:
     def __post_init__(self):
         if self.scheme not in SCHEMES:
             raise ValueError(f"unknown quantization scheme {self.scheme!r}; choose one of {SCHEMES}")
-        if self.scheme == "int4" and self.group_size not in GROUP_SIZES:
+        if self.scheme == "int4" and self.group_size is not None and self.group_size not in GROUP_SIZES:
             raise ValueError(f"int4 group_size must be one of {GROUP_SIZES}, got {self.group_size}")
         if self.scheme != "int4" and self.symmetric is False:
             raise ValueError(f"{self.scheme} is symmetric only; symmetric=False applies to int4")
@@ -59,6 +61,11 @@ class QuantConfig:
     def is_symmetric(self) -> bool:
         """int4 defaults to per-group zero points; every other scheme is symmetric only."""
         return self.symmetric if self.symmetric is not None else self.scheme != "int4"
+
+    def group_for(self, in_features: int) -> int | None:
+        """The int4 group size for a layer of `in_features` inputs, or None when none fits."""
+        sizes = (self.group_size,) if self.group_size is not None else sorted(GROUP_SIZES, reverse=True)
+        return next((g for g in sizes if in_features % g == 0), None)
 
     @property
     def needs_calibration(self) -> bool:

@@ -101,9 +101,9 @@ class Int4Linear(QuantizedLinear):
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: QuantConfig) -> "Int4Linear":
         w = linear.weight.detach()
-        m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta",
-                config.group_size)
-        q, m.scale, m.zero = P.quantize_int4(w, config.group_size, config.is_symmetric)
+        group = config.group_for(linear.in_features)
+        m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta", group)
+        q, m.scale, m.zero = P.quantize_int4(w, group, config.is_symmetric)
         m.qweight = P.pack_int4(q)
         m._set_bias(linear)
         return m.finalize()

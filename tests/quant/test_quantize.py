@@ -32,7 +32,7 @@ def _calib():
 @pytest.mark.parametrize("scheme", ["int8", "int4", "w8a8", "fp8"])
 def test_scheme_name_swaps_every_decoder_linear(llama, scheme):
     ids = _ids()
-    model = ffl_backend.quantize(copy.deepcopy(llama), scheme if scheme != "int4" else ffl_backend.QuantConfig("int4", group_size=32))
+    model = ffl_backend.quantize(copy.deepcopy(llama), scheme)
     swapped = quantized_modules(model)
     assert len(swapped) == LINEARS_PER_LAYER * llama.config.num_hidden_layers
     assert all(m.scheme == scheme for m in swapped.values())
@@ -69,6 +69,13 @@ def test_int4_group_not_dividing_keeps_layer_with_warning(llama, caplog):
     assert isinstance(model.model.layers[0].mlp.up_proj, M.Int4Linear)
     assert "does not divide in_features 96" in caplog.text
     assert "model.layers.0.mlp.down_proj" in model._ffl_quant["kept"]
+
+
+def test_int4_default_group_is_the_largest_that_divides(llama):
+    model = ffl_backend.quantize(copy.deepcopy(llama), "int4")
+    layer = model.model.layers[0]
+    assert layer.self_attn.q_proj.group_size == 64 and layer.mlp.down_proj.group_size == 32  # K 64, 96
+    assert not model._ffl_quant["kept"]
 
 
 def test_static_w8a8_needs_calibration_data(llama):
