@@ -82,11 +82,17 @@ def _snapshot(graph: fx.Graph) -> fx.Graph:
 
 
 def fastflow_op_counts(gm: fx.GraphModule) -> Counter:
-    """fastflow op name -> number of call sites in `gm`."""
+    """fastflow op name -> number of call sites in `gm` (overloads and overload packets alike:
+    modules may call `torch.ops.fastflow.x(...)` as well as `.default`)."""
     counts = Counter()
     for node in gm.graph.nodes:
-        if node.op == "call_function" and getattr(node.target, "namespace", None) == "fastflow":
-            counts[node.target._opname] += 1
+        target = node.target
+        if node.op != "call_function":
+            continue
+        if isinstance(target, torch._ops.OpOverload):
+            target = target.overloadpacket
+        if isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("fastflow::"):
+            counts[target._qualified_op_name.split("::", 1)[1]] += 1
     return counts
 
 

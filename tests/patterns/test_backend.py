@@ -88,3 +88,11 @@ def test_recompile_is_reported_with_the_failing_guard():
         torch._dynamo.config.automatic_dynamic_shapes = old
     (rec,) = ffl_backend.recompiles()
     assert "size mismatch" in rec.guard_failure
+
+
+def test_op_counts_include_overload_packet_calls():
+    def f(x, w):  # a module calling the packet, as quantized linears do
+        return torch.ops.fastflow.rms_norm(x, w, 1e-6) + torch.ops.fastflow.rms_norm.default(x, w, 1e-6)
+
+    _compile(f)(torch.randn(2, 8), torch.randn(8))
+    assert ffl_backend.last_report().ops["rms_norm"] == 2
