@@ -8,11 +8,12 @@ would be a guard and a recompile per token. Only the first `filled` slots are re
 boolean HF mask (B or 1, 1, Lq, >= filled), ANDed with causal + window (reference.py).
 
 CPU path, chosen by measurement (benchmarks/attention_cpu_paths.py; SmolLM2 shapes: 9 q heads,
-3 kv heads, D 64, cache 2048, filled 600, Lq 1, 2 threads, median of 5x300 calls):
+3 kv heads, D 64, cache 2048, filled 600, Lq 1, 2 threads, median of 5x300 calls, quiet machine):
                                               fp32      bf16
-    opaque op: slice to filled + SDPA(gqa)     80 us     79 us   (152 / 136 us as a compiled graph)
-    masked full-cache SDPA, eager             221 us    115 us
-    masked full-cache SDPA, Inductor          358 us    178 us   (the HF sdpa + static cache path)
+    opaque op: slice to filled + SDPA(gqa)     65 us     59 us   (104 / 89 us as a compiled graph)
+    masked full-cache SDPA, eager             142 us     94 us
+    masked full-cache SDPA, Inductor          213 us    123 us   (the HF sdpa + static cache path)
+(Under load from other jobs the same ordering held: 80 / 79 us vs 221 / 115 and 358 / 178 us.)
 So the op is an opaque `custom_op` (the data-dependent slice is legal inside it; Inductor could not
 trace it without an unbacked size) whose CPU body slices and calls SDPA with `enable_gqa`.
 
