@@ -110,6 +110,7 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     from .attention import hf
     from .config import BackendOptions
     from .generation import configure_generate
+    from .patterns.horizontal import share_fused_storage
 
     BackendOptions.parse(None, backend_options)  # a typo fails here, not at the first decode step
     cfg = _text_config(model.config)
@@ -125,6 +126,8 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     state = {"generation": {k: getattr(gc, k, None) for k in
                             ("cache_implementation", "max_cache_len", "compile_config", "disable_compile")}}
     state["attention"] = hf.install(model, attention)
+    # q/k/v and gate/up as slices of one tensor: horizontal fusion then reuses it instead of copying
+    share_fused_storage(model)
     configure_generate(model, backend="fastflow", options=backend_options, max_cache_len=max_seq_len)
     model.generate = _checked_generate(model, model.generate, max_batch_size, max_seq_len)
     setattr(model, _STATE, state)

@@ -57,3 +57,15 @@ def test_unshared_weights_are_concatenated_once(monkeypatch):
     torch.testing.assert_close(_compile_and_run(model, ids), ref, rtol=1e-5, atol=1e-5)
     assert ffl_backend.last_report().matches["horizontal"] == 2 * LAYERS
     assert len(fused) == 2 * LAYERS  # one concatenation per group, at compile time
+
+
+def test_shared_storage_model_still_saves_and_reloads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model("llama")
+    horizontal.share_fused_storage(model)
+    model.save_pretrained(tmp_path)
+    again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(3, 128, (1, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(again(ids).logits, model(ids).logits, rtol=0, atol=0)
