@@ -4,7 +4,7 @@
 changed, no op registered. The backend itself is found by `torch.compile(..., backend="fastflow")`
 through an entry point; the names below load their modules on first use.
 """
-from importlib import import_module
+from ._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -45,12 +45,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ffl_backend' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
 
 
 def __dir__():

@@ -43,26 +43,36 @@ def collect_specs(modules=AOT_MODULES):
     return specs
 
 
+def _compile_job(job) -> dict:
+    """Compile spec `index` of `module` for `arch` (worker-side: specs are rebuilt, not pickled)."""
+    module, index, arch = job
+    spec = import_module(module).aot_specs()[index]
+    try:
+        return compile_spec(spec, arch)
+    except Exception as exc:  # report every failing config, not just the first
+        return {"name": spec.name, "arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
     parser.add_argument("--module", nargs="*", default=list(AOT_MODULES))
     parser.add_argument("--json", help="write one record per compiled config here")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
-    records, failures = [], []
-    for spec in collect_specs(args.module):
-        for arch in args.arch:
-            if arch < spec.min_arch:
-                continue
-            try:
-                rec = compile_spec(spec, arch)
-            except Exception as exc:  # report every failing config, not just the first
-                rec = {"name": spec.name, "arch": arch, "ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            records.append(rec)
-            if not rec["ok"]:
-                failures.append(rec)
+    jobs = [(module, i, arch) for module in args.module
+            for i, spec in enumerate(import_module(module).aot_specs())
+            for arch in args.arch if arch >= spec.min_arch]
+    if args.jobs > 1:
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(args.jobs) as pool:
+            records = list(pool.map(_compile_job, jobs, chunksize=8))
+    else:
+        records = [_compile_job(job) for job in jobs]
+    failures = [rec for rec in records if not rec["ok"]]
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(records, fh, indent=1)

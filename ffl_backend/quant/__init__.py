@@ -7,7 +7,7 @@ calibration and SmoothQuant, the per-layer error report, save and load.
 
 Names load their modules on first use: importing this package imports neither transformers nor triton.
 """
-from importlib import import_module
+from .._lazy import lazy_getattr
 
 __all__ = ["QuantConfig", "resolve", "quantize", "report", "save_quantized", "load_quantized",
            "quantized_modules"]
@@ -23,9 +23,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'ffl_backend.quant' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -34,16 +34,19 @@ def _generate(model, ids, **kw):
                           output_logits=True, return_dict_in_generate=True, **kw)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_fastflow_decode_matches_eager_and_fuses(arch):
-    model = tiny_model(arch)
+def _eager_then_fastflow(model):
+    """Greedy generation of the same prompt eagerly, then compiled with fastflow (static cache)."""
     ids = torch.randint(3, 128, (1, 9))
     configure_generate(model, backend=None)
     eager = _generate(model, ids)
-
     ffl_backend.clear_reports()
     configure_generate(model, backend="fastflow", options={"on_error": "raise"})
-    fast = _generate(model, ids)
+    return ids, eager, _generate(model, ids)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fastflow_decode_matches_eager_and_fuses(arch):
+    _, eager, fast = _eager_then_fastflow(tiny_model(arch))
 
     assert torch.equal(fast.sequences, eager.sequences), "greedy tokens differ from eager"
     for a, b in zip(fast.logits, eager.logits):
@@ -63,13 +66,7 @@ def test_fastflow_decode_matches_eager_and_fuses(arch):
 def test_bf16_cpu_linears_are_prepacked_and_match_eager():
     """In bf16 on CPU every parameter linear (fused q/k/v, o, fused gate/up, down, lm_head) runs on a
     pre-packed oneDNN weight; logits stay within bf16 noise of eager."""
-    model = tiny_model("llama", dtype=torch.bfloat16)
-    ids = torch.randint(3, 128, (1, 9))
-    configure_generate(model, backend=None)
-    eager = _generate(model, ids)
-    ffl_backend.clear_reports()
-    configure_generate(model, backend="fastflow", options={"on_error": "raise"})
-    fast = _generate(model, ids)
+    ids, eager, fast = _eager_then_fastflow(tiny_model("llama", dtype=torch.bfloat16))
     rep = ffl_backend.last_report()
     assert rep.ops["packed_linear"] == 4 * L + 1
     # compare logits up to the first diverging token (bf16 may flip a near-tie; after it inputs differ)
