@@ -144,6 +144,12 @@ def run_grid(model: str, backends=BACKENDS, dtypes=DTYPES, prompt_len=16, new_to
     return {"environment": environment(), "results": results}
 
 
+def _agreement_cell(r: dict) -> str:
+    if "tokens_equal_eager" not in r:
+        return "n/a (no eager run)"
+    return f"{r['tokens_equal_eager']} ({r['matching_prefix']}/{len(r['tokens'])})"
+
+
 def table(grid: dict) -> str:
     rows = ["| dtype | backend | decode tok/s (median) | vs inductor | TTFT ms | first generate s | peak RSS MB | tokens = eager |",
             "|---|---|---|---|---|---|---|---|"]
@@ -154,7 +160,7 @@ def table(grid: dict) -> str:
         rows.append(f"| {r['dtype']} | {r['backend']} | {r['decode_tok_s']:.1f} | "
                     f"{r.get('speedup_vs_inductor', float('nan')):.2f}x | {1000 * r['ttft_s']:.0f} | "
                     f"{r['first_generate_s']:.1f} | {r['peak_rss_mb']:.0f} | "
-                    f"{r.get('tokens_equal_eager')} ({r.get('matching_prefix')}/{len(r['tokens'])}) |")
+                    f"{_agreement_cell(r)} |")
     return "\n".join(rows)
 
 
