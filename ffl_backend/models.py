@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import shutil
 from pathlib import Path
 
 logger = logging.getLogger("ffl_backend")
@@ -57,7 +58,8 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     tmp = folder.with_name(folder.name + ".tmp")
     plain.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    tmp.replace(folder) if not folder.exists() else None
+    shutil.rmtree(folder, ignore_errors=True)  # a partial folder from an interrupted conversion
+    tmp.replace(folder)
     logger.info("SmolLM2-135M cached at %s", folder)
 
 
