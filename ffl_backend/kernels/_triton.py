@@ -79,3 +79,19 @@ class AotSpec:
 
 def ptr(dtype: str) -> str:
     return "*" + dtype
+
+
+def row_kernel_specs(name, kernel, ptr_args, scalar_args: dict, flags: dict, dtypes=AOT_DTYPES):
+    """AOT specs of a one-row-per-program kernel: every dtype x row block x combination of the
+    boolean constexpr `flags` (name -> values). The signature lists pointers, then scalars, then
+    constexprs, which is the argument order these kernels declare."""
+    import itertools
+
+    blocks = sorted({row_block(n) for n in AOT_ROW_SIZES})
+    specs = []
+    for dt, block, values in itertools.product(dtypes, blocks, itertools.product(*flags.values())):
+        consts = {**dict(zip(flags, values)), "BLOCK": block}
+        sig = {**{a: ptr(dt) for a in ptr_args}, **scalar_args, **{k: "constexpr" for k in consts}}
+        label = ",".join(f"{k}={v}" for k, v in consts.items())
+        specs.append(AotSpec(f"{name}[{dt},{label}]", kernel, sig, consts, num_warps=row_warps(block)))
+    return specs

@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._triton import (rows_2d, AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, ptr, row_block,
-                      row_warps, tl, triton)
+from ._triton import (AotSpec, HAS_TRITON, launch, row_block, row_kernel_specs, row_warps, rows_2d,
+                      tl, triton)
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -131,16 +131,7 @@ def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps:
 
 def aot_specs() -> list[AotSpec]:
     """Every (dtype, block size, weight?, bias?) the launcher can pick."""
-    specs = []
-    for dt in AOT_DTYPES:
-        for block in sorted({row_block(n) for n in AOT_ROW_SIZES}):
-            for has_w in (False, True):
-                for has_b in (False, True):
-                    sig = {"x_ptr": ptr(dt), "w_ptr": ptr(dt), "b_ptr": ptr(dt), "out_ptr": ptr(dt),
-                           "n_cols": "i32", "x_stride": "i64", "out_stride": "i64", "eps": "fp32",
-                           "HAS_WEIGHT": "constexpr", "HAS_BIAS": "constexpr", "BLOCK": "constexpr"}
-                    specs.append(AotSpec(f"layer_norm[{dt},B{block},w={has_w},b={has_b}]",
-                                         _layer_norm_kernel, sig,
-                                         {"HAS_WEIGHT": has_w, "HAS_BIAS": has_b, "BLOCK": block},
-                                         num_warps=row_warps(block)))
-    return specs
+    return row_kernel_specs(
+        "layer_norm", _layer_norm_kernel, ("x_ptr", "w_ptr", "b_ptr", "out_ptr"),
+        {"n_cols": "i32", "x_stride": "i64", "out_stride": "i64", "eps": "fp32"},
+        {"HAS_WEIGHT": (False, True), "HAS_BIAS": (False, True)})

@@ -15,8 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import (rows_2d, AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, ptr, row_block,
-                      row_warps, tl, triton)
+from ._triton import (AotSpec, HAS_TRITON, launch, row_block, row_kernel_specs, row_warps, rows_2d,
+                      tl, triton)
 
 
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
@@ -134,17 +134,8 @@ def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset
 
 def aot_specs() -> list[AotSpec]:
     """Every (dtype, block size, residual, cast order) the launcher can pick."""
-    specs = []
-    for dt in AOT_DTYPES:
-        for block in sorted({row_block(n) for n in AOT_ROW_SIZES}):
-            for has_res in (False, True):
-                for w32 in (False, True):
-                    sig = {"x_ptr": ptr(dt), "res_ptr": ptr(dt), "w_ptr": ptr(dt), "out_ptr": ptr(dt),
-                           "hid_ptr": ptr(dt), "n_cols": "i32", "x_stride": "i64", "res_stride": "i64",
-                           "out_stride": "i64", "hid_stride": "i64", "eps": "fp32", "offset": "fp32",
-                           "HAS_RESIDUAL": "constexpr", "WEIGHT_IN_FP32": "constexpr", "BLOCK": "constexpr"}
-                    specs.append(AotSpec(f"rms_norm[{dt},B{block},res={has_res},w32={w32}]",
-                                         _rms_norm_kernel, sig,
-                                         {"HAS_RESIDUAL": has_res, "WEIGHT_IN_FP32": w32, "BLOCK": block},
-                                         num_warps=row_warps(block)))
-    return specs
+    return row_kernel_specs(
+        "rms_norm", _rms_norm_kernel, ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "hid_ptr"),
+        {"n_cols": "i32", "x_stride": "i64", "res_stride": "i64", "out_stride": "i64", "hid_stride": "i64",
+         "eps": "fp32", "offset": "fp32"},
+        {"HAS_RESIDUAL": (False, True), "WEIGHT_IN_FP32": (False, True)})
