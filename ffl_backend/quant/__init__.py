@@ -4,13 +4,14 @@ calibration and SmoothQuant, the per-layer error report, save and load.
     ffl_backend.quantize(model, "int8")                      # or a QuantConfig
     ffl_backend.quant.report(model, "int4", calibration_data)
     ffl_backend.quant.save_quantized(model, "out/"); ffl_backend.load_quantized("out/")
+    ffl_backend.quant.register_with_transformers(); AutoModelForCausalLM.from_pretrained("out/")
 
 Names load their modules on first use: importing this package imports neither transformers nor triton.
 """
 from .._lazy import lazy_getattr
 
 __all__ = ["QuantConfig", "resolve", "quantize", "report", "save_quantized", "load_quantized",
-           "quantized_modules"]
+           "quantized_modules", "register_with_transformers"]
 
 _LAZY = {
     "QuantConfig": "config",
@@ -20,6 +21,7 @@ _LAZY = {
     "report": "layer_report",
     "save_quantized": "serialization",
     "load_quantized": "serialization",
+    "register_with_transformers": "serialization",
 }
 
 

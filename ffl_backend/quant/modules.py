@@ -134,8 +134,8 @@ class W8A8Linear(QuantizedLinear):
         super().__init__(in_features, out_features, dtype, has_bias, device)
         self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.int8, device=device))
         self.register_buffer("w_scale", torch.empty(out_features, dtype=torch.float32, device=device))
-        self.register_buffer("x_scale", torch.empty((), device=device) if static else None)
-        self.register_buffer("smooth", torch.empty(in_features, device=device) if smooth else None)
+        self.register_buffer("x_scale", torch.empty((), dtype=torch.float32, device=device) if static else None)
+        self.register_buffer("smooth", torch.empty(in_features, dtype=torch.float32, device=device) if smooth else None)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, config: QuantConfig, x_absmax: float | None = None,

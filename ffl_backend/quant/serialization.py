@@ -1,6 +1,7 @@
 """Save a quantized model and load it back quantized, without re-quantizing.
 
-A saved folder holds `config.json` (the HF config), `model.safetensors` (canonical quantized buffers
+A saved folder holds `config.json` (the HF config, with a `quantization_config` that lets
+`AutoModelForCausalLM.from_pretrained(folder)` load it quantized: quant/hf_integration.py), `model.safetensors` (canonical quantized buffers
 and the high-precision rest) and `ffl_quant.json` (the quant config and each quantized module's
 spec). Loading builds the architecture on the meta device, swaps in empty quantized modules, and
 assigns the saved tensors: the high-precision model is never materialized, so peak memory is the
@@ -8,6 +9,7 @@ quantized model's.
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -17,6 +19,19 @@ from torch import nn
 
 from .api import STATE_ATTR, _set_module, quantized_modules
 from .modules import QuantizedLinear, build_module
+
+
+def register_with_transformers() -> None:
+    """See hf_integration: imported here, on use, because it imports transformers."""
+    from .hf_integration import register_with_transformers as register
+
+    register()
+
+
+def config_entry(model: nn.Module) -> dict:
+    from .hf_integration import config_entry as entry
+
+    return entry(model)
 
 logger = logging.getLogger("ffl_backend")
 
@@ -42,7 +57,10 @@ def save_quantized(model: nn.Module, directory) -> Path:
                 "modules": {name: m.spec() for name, m in modules.items()}, "aliases": aliases,
                 "num_tensors": len(tensors)}
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": FORMAT, "num_tensors": str(len(tensors))})
-    model.config.save_pretrained(folder)
+    register_with_transformers()
+    config = copy.deepcopy(model.config)
+    config.quantization_config = config_entry(model)  # what from_pretrained(folder) needs
+    config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
@@ -143,6 +161,7 @@ def load_quantized(directory, device="cpu") -> nn.Module:
 
     folder = Path(directory)
     manifest = _read_manifest(folder)
+    register_with_transformers()
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, manifest["dtype"]))
