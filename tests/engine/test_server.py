@@ -1,0 +1,124 @@
+"""ffl-serve end to end on an ephemeral loopback port, with a real HTTP client (http.client):
+JSON and SSE streaming completions, bad requests answered 400 while others are served."""
+import asyncio
+import http.client
+import json
+import threading
+
+import pytest
+
+from ffl_backend.engine import OptimizedInferenceEngine
+from ffl_backend.engine.server import start
+
+from .conftest import random_prompts
+
+
+@pytest.fixture(scope="module")
+def served(llama):
+    engine = OptimizedInferenceEngine(llama, max_batch_size=4, max_seq_len=96, compile=None)
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+    box = {}
+
+    def run():
+        asyncio.set_event_loop(loop)
+        box["server"] = loop.run_until_complete(start(engine, "127.0.0.1", 0))
+        ready.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    ready.wait(30)
+    port = box["server"].sockets[0].getsockname()[1]
+    yield engine, port
+    loop.call_soon_threadsafe(box["server"].close)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    engine.close()
+
+
+def post(port, body, raw=None):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    conn.request("POST", "/v1/completions", body=raw if raw is not None else json.dumps(body),
+                  headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    return resp, resp.read().decode()
+
+
+def test_completion_json(served, references):
+    engine, port = served
+    prompt = random_prompts([9], seed=7)[0]
+    resp, text = post(port, {"prompt": prompt, "max_tokens": 10, "temperature": 0})
+    assert resp.status == 200 and resp.getheader("Content-Type") == "application/json"
+    out = json.loads(text)
+    assert out["object"] == "text_completion" and out["choices"][0]["token_ids"] == references(prompt, 10)
+    assert out["usage"] == {"prompt_tokens": 9, "completion_tokens": len(references(prompt, 10)),
+                            "total_tokens": 9 + len(references(prompt, 10))}
+
+
+def test_completion_streaming_sse(served, references):
+    engine, port = served
+    prompt = random_prompts([13], seed=8)[0]
+    resp, text = post(port, {"prompt": prompt, "max_tokens": 12, "temperature": 0, "stream": True})
+    assert resp.status == 200 and resp.getheader("Content-Type") == "text/event-stream"
+    events = [e[len("data: "):] for e in text.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    tokens = [t for c in chunks[:-1] for t in c["choices"][0]["token_ids"]]
+    assert tokens == references(prompt, 12) and len(chunks) == len(tokens) + 1
+    assert chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"prompt": "", "max_tokens": 4}, "prompt"),
+    ({"prompt": [], "max_tokens": 4}, "empty prompt"),
+    ({"prompt": [5] * 90, "max_tokens": 10}, "max_seq_len"),
+    ({"prompt": [5, 6], "temperature": -1}, "temperature"),
+    ({"prompt": [5, 6], "top_p": 0}, "top_p"),
+    ({"prompt": [5, 6], "max_tokens": 0}, "max_tokens"),
+    ({"prompt": [5, 6], "bogus": 1}, "bogus"),
+    (None, "invalid JSON"),
+])
+def test_bad_requests_get_400(served, body, message):
+    _, port = served
+    resp, text = post(port, body, raw="{not json" if body is None else None)
+    assert resp.status == 400, text
+    err = json.loads(text)["error"]
+    assert err["type"] == "invalid_request_error" and message in err["message"]
+
+
+def test_concurrent_clients_with_bad_ones_mixed_in(served, references):
+    engine, port = served
+    prompts = random_prompts([5, 17, 8, 26, 3, 11], seed=9)
+    results = {}
+
+    def client(i):
+        body = {"prompt": prompts[i], "max_tokens": 15, "temperature": 0, "stream": i % 2 == 0}
+        results[i] = post(port, body)
+        results[-i - 1] = post(port, {"prompt": prompts[i], "max_tokens": 15, "top_p": 7})
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for i, prompt in enumerate(prompts):
+        resp, text = results[i]
+        assert resp.status == 200 and results[-i - 1][0].status == 400
+        if i % 2:
+            tokens = json.loads(text)["choices"][0]["token_ids"]
+        else:
+            events = [json.loads(e[6:]) for e in text.split("\n\n") if e and e != "data: [DONE]"]
+            tokens = [t for e in events for t in e["choices"][0].get("token_ids", [])]
+        assert tokens == references(prompt, 15)
+
+
+def test_health_and_unknown_route(served):
+    _, port = served
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/health")
+    resp = conn.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["status"] == "ok"
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/nope")
+    assert conn.getresponse().status == 404
