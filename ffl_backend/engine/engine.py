@@ -68,11 +68,15 @@ class RequestStream:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._detok = _Detokenizer(engine.tokenizer)
         self._done = loop.create_future()
-        req.on_token = lambda r, tok: loop.call_soon_threadsafe(self._queue.put_nowait, tok)
-        req.on_finish = lambda r: loop.call_soon_threadsafe(self._finish)
+        req.on_token = lambda r, tok: self._post(tok)
+        req.on_finish = lambda r: self._post(None)
 
-    def _finish(self):
-        self._queue.put_nowait(None)
+    def _post(self, item) -> None:
+        """Engine thread -> the request's loop. A closed loop (its client is gone) is not an error."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            self._req.cancel()
 
     @property
     def id(self) -> int:

@@ -150,3 +150,10 @@ def test_close_fails_pending_and_restores_attention(llama):
     assert llama.config._attn_implementation == previous
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate([[5, 6, 7]], max_new_tokens=2)
+
+
+def test_top_level_export():
+    import ffl_backend
+
+    assert ffl_backend.OptimizedInferenceEngine is OptimizedInferenceEngine
+    assert "OptimizedInferenceEngine" in ffl_backend.__all__
