@@ -1,0 +1,190 @@
+"""The benchmark grid: every combination of the requested settings, each isolated, then compared.
+
+Isolation: each configuration runs in a fresh interpreter (worker.py) with its own, new Inductor and
+Triton cache folder, so no configuration can warm another's compile caches, share its allocator or
+raise its peak-RSS high-water mark. Compiled configurations then run a second fresh process on that
+same folder: its first generate is the *warm* compile time, i.e. what a user pays on the next start
+of the same model when Inductor's on-disk caches already hold the compiled code (Dynamo still traces).
+Outputs are checked before speeds are compared: greedy tokens against eager of the same dtype, batch
+and prompt (unquantized), as the length of the matching prefix.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+from ..quant.config import SCHEMES
+
+BACKENDS = ("eager", "inductor", "fastflow")
+DTYPES = ("float32", "bfloat16")
+QUANTS = ("none", *SCHEMES)  # "none": the model as loaded
+
+
+def skip_reason(cfg: dict) -> str | None:
+    """Why a combination of the cartesian product is not run, or None.
+
+    Quantized linears take their scales in the activation dtype and are built for bf16/fp16
+    activations; with fp32 activations they are 3-5x slower than fp32 F.linear (measured on the
+    project's 2-core AVX-512 CPU), so an fp32 x scheme row would time a configuration nobody should use."""
+    if cfg["quant"] != "none" and cfg["dtype"] == "float32":
+        return "quantized schemes run on bfloat16/float16 models only"
+    return None
+
+
+def configurations(model, backends, dtypes, quants, batches, prompt_lens, **common) -> tuple[list, list]:
+    """(configurations to run, skipped ones with their reason), eager first within each group so
+    that the reference tokens exist before anything is compared with them."""
+    order = {b: i for i, b in enumerate(BACKENDS)}
+    todo, skipped = [], []
+    for dtype, quant, batch, plen, backend in itertools.product(
+            dtypes, quants, batches, prompt_lens, sorted(backends, key=order.get)):
+        cfg = {"model": str(model), "backend": backend, "dtype": dtype, "quant": quant, "batch": batch,
+               "prompt_len": plen, **common}
+        if backend != "fastflow":
+            cfg["options"] = None  # fastflow's options mean nothing to the other backends
+        reason = skip_reason(cfg)
+        (skipped if reason else todo).append({**cfg, "reason": reason} if reason else cfg)
+    return todo, skipped
+
+
+def label(cfg: dict) -> str:
+    quant = "" if cfg["quant"] == "none" else f" {cfg['quant']}"
+    return f"{cfg['dtype']}{quant} {cfg['backend']} b{cfg['batch']} p{cfg['prompt_len']}"
+
+
+def _worker(cfg: dict, cache_dir: str) -> dict:
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+           "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
+           # On by default in this torch; set so the warm run measures the caches, not a default.
+           "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "ffl_backend.bench.worker", json.dumps(cfg)],
+                          capture_output=True, text=True, env=env)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": _error_line(proc.stderr or proc.stdout) or f"worker exited with {proc.returncode}"}
+    return json.loads(lines[-1])
+
+
+def _error_line(text: str) -> str | None:
+    """The innermost exception of a worker's traceback. Dynamo appends advice lines after it and
+    wraps backend failures ("BackendCompilerFailed ... raised:" then the cause), so the last line
+    naming an exception type is the informative one."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt)\b", line)]
+    return (named or lines or [None])[-1]
+
+
+def run_isolated(cfg: dict, warm_compile: bool = True) -> dict:
+    """One configuration: a cold process, then (compiled backends) a warm one on the same caches."""
+    cache_dir = tempfile.mkdtemp(prefix="ffl-bench-")
+    try:
+        res = {**cfg, **_worker(cfg, cache_dir)}
+        res["compile_warm_s"] = None
+        if warm_compile and cfg["backend"] != "eager" and "error" not in res:
+            warm = _worker({**cfg, "mode": "warm"}, cache_dir)
+            if "error" in warm:
+                res["error"] = "warm run: " + warm["error"]
+            else:
+                res["compile_warm_s"] = max(0.0, warm["first_generate_s"] - res["generate_s"])
+        return res
+    finally:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def _group(r: dict) -> tuple:
+    return r["dtype"], r["batch"], r["prompt_len"]
+
+
+def agreement(results: list[dict]) -> None:
+    """Annotate results with the matching prefix of their greedy tokens against unquantized eager of
+    the same dtype, batch and prompt length."""
+    eager = {_group(r): r["tokens"] for r in results
+             if r["backend"] == "eager" and r.get("quant", "none") == "none" and "tokens" in r}
+    for r in results:
+        ref = eager.get(_group(r))
+        if ref is None or "tokens" not in r:
+            continue
+        n = next((i for i, (a, b) in enumerate(zip(r["tokens"], ref)) if a != b), min(len(ref), len(r["tokens"])))
+        r["matching_prefix"], r["tokens_equal_eager"] = n, r["tokens"] == ref
+
+
+def speedups(results: list[dict]) -> None:
+    """decode tok/s relative to HF static cache + Inductor (unquantized) of the same group."""
+    base = {_group(r): r.get("decode_tok_s") for r in results
+            if r["backend"] == "inductor" and r.get("quant", "none") == "none"}
+    for r in results:
+        if base.get(_group(r)) and "decode_tok_s" in r:
+            r["speedup_vs_inductor"] = r["decode_tok_s"] / base[_group(r)]
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+    import triton
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor() or "?")
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    return {"machine": f"{cpu}, {os.cpu_count()} cores" + (f", {gpu}" if gpu else ""),
+            "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "triton": triton.__version__,
+            "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+class Progress:
+    """A one-line progress display on stderr: configurations done / total, elapsed, current one.
+    On a terminal the line is redrawn in place; in a log file each update is its own line."""
+
+    def __init__(self, total: int, stream=None):
+        self.total, self.done, self.start = total, 0, time.perf_counter()
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+
+    def show(self, text: str, finished: bool = False) -> None:
+        self.done += finished
+        elapsed = int(time.perf_counter() - self.start)
+        bar = "#" * (20 * self.done // max(1, self.total))
+        line = f"[{bar:20s}] {self.done}/{self.total} {elapsed // 60}m{elapsed % 60:02d}s {text}"
+        self.stream.write(("\r\033[K" + line) if self.tty else line + "\n")
+        if self.tty and finished and self.done == self.total:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def run_grid(model, backends=BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=128, repeats=3, text=None,
+             options=None, log=print, *, quants=("none",), batches=(1,), warmup=1, warm_compile=True,
+             device="cpu", threads=None, progress=True) -> dict:
+    """Run every configuration of the grid, isolated; `prompt_len` is one length or several.
+    Returns {"environment", "bandwidth", "settings", "results", "skipped"}."""
+    from .bandwidth import machine_bandwidth
+
+    prompt_lens = [prompt_len] if isinstance(prompt_len, int) else list(prompt_len)
+    settings = {"new_tokens": new_tokens, "repeats": repeats, "warmup": warmup, "text": text, "device": device,
+                "threads": threads}
+    todo, skipped = configurations(model, backends, dtypes, quants, batches, prompt_lens, options=options,
+                                   **settings)
+    for cfg in skipped:
+        log(f"  skipped {label(cfg)}: {cfg['reason']}")
+    bar = Progress(len(todo)) if progress else None
+    results = []
+    for cfg in todo:
+        if bar:
+            bar.show(f"running {label(cfg)}")
+        res = run_isolated(cfg, warm_compile)
+        results.append(res)
+        if bar:
+            bar.show(f"finished {label(cfg)}", finished=True)
+        log(f"  {label(cfg):32s} " + (f"{res['decode_tok_s']:.1f} tok/s" if "error" not in res
+                                      else f"ERROR {res['error']}"))
+    agreement(results)
+    speedups(results)
+    return {"environment": environment(), "bandwidth": machine_bandwidth(device),
+            "settings": {**settings, "model": str(model)}, "results": results, "skipped": skipped}

@@ -1,0 +1,158 @@
+"""What a grid run leaves behind: a terminal/markdown table, JSON (everything), CSV (one row per
+configuration, fixed columns) and a PNG chart (decode tok/s and speedup per configuration)."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+
+from .grid import BACKENDS, label
+
+# CSV columns, in order; JSON keeps these and more (token ids, every repeat, the environment).
+CSV_COLUMNS = (
+    "backend", "dtype", "quant", "batch", "prompt_len", "new_tokens", "repeats",
+    "load_s", "quantize_s", "compile_cold_s", "compile_warm_s",
+    "ttft_s", "prefill_tok_s", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "decode_spread_pct",
+    "speedup_vs_inductor", "peak_rss_mb", "cuda_peak_mb",
+    "weight_bytes", "effective_gbs", "ceiling_gbs", "pct_of_ceiling",
+    "recompiles", "graphs_compiled_while_timed", "matching_prefix", "tokens_equal_eager", "rows_equal", "error",
+)
+BACKEND_COLORS = {"eager": "#9e9e9e", "inductor": "#1f77b4", "fastflow": "#ff7f0e"}
+
+
+def _fmt(value, spec: str, none: str = "-") -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return none
+    return format(value, spec)
+
+
+def _agreement_cell(r: dict) -> str:
+    if "tokens_equal_eager" not in r:
+        return "n/a (no eager run)"
+    return f"{r['matching_prefix']}/{len(r['tokens'])}" + ("" if r.get("rows_equal", True) else " (rows differ)")
+
+
+def table(grid: dict) -> str:
+    """A markdown table (also what the terminal shows)."""
+    rows = ["| configuration | decode tok/s median (min-max) | vs inductor | TTFT ms | prefill tok/s | "
+            "compile s cold / warm | load s | peak RSS MB | weights GB/s (% of ceiling) | recompiles | "
+            "tokens = eager |",
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in grid["results"]:
+        name = label(r) if "quant" in r else f"{r['dtype']} {r['backend']}"
+        if "error" in r:
+            rows.append(f"| {name} | error: {r['error']} |" + " |" * 9)
+            continue
+        spread = (f" ({r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f})"
+                  if "decode_tok_s_min" in r else "")
+        rows.append(
+            f"| {name} | {r['decode_tok_s']:.1f}{spread} | {_fmt(r.get('speedup_vs_inductor'), '.2f')}x | "
+            f"{1000 * r['ttft_s']:.0f} | {_fmt(r.get('prefill_tok_s'), '.0f')} | "
+            f"{_fmt(r.get('compile_cold_s', r.get('first_generate_s')), '.1f')} / "
+            f"{_fmt(r.get('compile_warm_s'), '.1f')} | {_fmt(r.get('load_s'), '.1f')} | "
+            f"{r['peak_rss_mb']:.0f} | {_fmt(r.get('effective_gbs'), '.1f')} "
+            f"({_fmt(r.get('pct_of_ceiling'), '.0f')}%) | {_fmt(r.get('recompiles'), 'd')} | "
+            f"{_agreement_cell(r)} |")
+    return "\n".join(rows)
+
+
+def header(grid: dict) -> str:
+    """Where and how the figures were measured, in markdown."""
+    env, bw, st = grid["environment"], grid.get("bandwidth", {}), grid.get("settings", {})
+    lines = [f"`{grid['command']}`" if grid.get("command") else "",
+             f"{env['machine']}; torch {env['torch']}, transformers {env['transformers']}, "
+             f"{env['torch_threads']} threads; {env['date']}.",
+             f"{st.get('new_tokens')} new tokens, greedy; median of {st.get('repeats')} timed generates after "
+             f"{st.get('warmup')} warm-up (the first compiles). Each configuration in its own process with its "
+             f"own Inductor cache; *warm* compile = a second process reusing that on-disk cache. Read ceiling "
+             f"of this machine: {_fmt(bw.get('dram_read_gbs'), '.1f')} GB/s from DRAM (1 GiB), "
+             f"{_fmt(bw.get('cache_read_gbs'), '.1f')} GB/s in cache (32 MiB); each row's % is against a "
+             f"buffer of its own weight bytes. *tokens = eager*: leading greedy tokens equal to unquantized eager of "
+             f"the same dtype, batch and prompt."]
+    by_reason: dict[str, list] = {}
+    for s in grid.get("skipped", []):
+        by_reason.setdefault(s["reason"], []).append(label(s))
+    lines += [f"Skipped ({reason}): {', '.join(names)}." for reason, names in by_reason.items()]
+    return "\n\n".join(line for line in lines if line)
+
+
+def write_json(grid: dict, path: str) -> None:
+    with open(path, "w") as fh:
+        json.dump(grid, fh, indent=1)
+
+
+def write_csv(grid: dict, path: str) -> None:
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for r in grid["results"]:
+            writer.writerow({k: r.get(k) for k in CSV_COLUMNS})
+
+
+def write_markdown(grid: dict, path: str) -> None:
+    with open(path, "w") as fh:
+        fh.write(f"# ffl-bench: {os.path.basename(grid['settings']['model'].rstrip('/'))}\n\n"
+                 f"{header(grid)}\n\n{table(grid)}\n")
+
+
+def write_png(grid: dict, path: str) -> None:
+    """Two panels sharing the x axis: decode tok/s (bars = median, whiskers = min..max of the repeats)
+    and speedup vs Inductor; one bar colour per backend, groups = dtype/quant/batch/prompt."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only; no display on servers or CI
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in grid["results"] if "decode_tok_s" in r and "error" not in r]
+    groups = list(dict.fromkeys(_group_label(r) for r in ok))
+    backends = [b for b in BACKENDS if any(r["backend"] == b for r in ok)]
+    width = 0.8 / max(1, len(backends))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7, 1.6 * len(groups) + 3), 7.5), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]})
+    for i, backend in enumerate(backends):
+        rows = {_group_label(r): r for r in ok if r["backend"] == backend}
+        xs = [g + (i - (len(backends) - 1) / 2) * width for g, name in enumerate(groups) if name in rows]
+        rs = [rows[name] for name in groups if name in rows]
+        med = [r["decode_tok_s"] for r in rs]
+        err = [[max(0.0, m - r.get("decode_tok_s_min", m)) for m, r in zip(med, rs)],
+               [max(0.0, r.get("decode_tok_s_max", m) - m) for m, r in zip(med, rs)]]
+        bars = top.bar(xs, med, width, yerr=err, capsize=3, label=backend, color=BACKEND_COLORS.get(backend))
+        top.bar_label(bars, fmt="%.1f", fontsize=8, padding=2)
+        speed = [r.get("speedup_vs_inductor", float("nan")) for r in rs]
+        sbars = bottom.bar(xs, speed, width, color=BACKEND_COLORS.get(backend), label=backend)
+        bottom.bar_label(sbars, labels=[_fmt(s, ".2f", "") + ("x" if not math.isnan(s) else "") for s in speed],
+                         fontsize=8, padding=2)
+    top.set_ylabel("decode throughput (tokens/s)\nbar = median, whisker = min-max")
+    top.legend(title="backend", loc="upper left", fontsize=8)
+    top.grid(axis="y", alpha=0.3)
+    top.margins(y=0.15)
+    bottom.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
+    bottom.set_ylabel("speedup vs Inductor\n(unquantized, same dtype/batch/prompt)")
+    bottom.set_xlabel("configuration: dtype, quantization, batch size b, prompt length p (tokens)")
+    bottom.grid(axis="y", alpha=0.3)
+    bottom.margins(y=0.2)
+    bottom.set_xticks(range(len(groups)), groups)
+    env, st = grid["environment"], grid.get("settings", {})
+    model = os.path.basename(st.get("model", "model").rstrip("/"))
+    fig.suptitle(f"{model}: greedy decode, {st.get('new_tokens')} new tokens\n{env['machine']}, "
+                 f"torch {env['torch']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _group_label(r: dict) -> str:
+    quant = "" if r.get("quant", "none") == "none" else f" {r['quant']}"
+    return f"{r['dtype']}{quant}\nb{r.get('batch', 1)} p{r['prompt_len']}"
+
+
+def write_all(grid: dict, out: str) -> list[str]:
+    """`out`.json, .csv, .png and .md (a prefix, e.g. benchmarks/results/bench_smollm2_cpu)."""
+    folder = os.path.dirname(out)
+    if folder:
+        os.makedirs(folder, exist_ok=True)
+    paths = [f"{out}.json", f"{out}.csv", f"{out}.png", f"{out}.md"]
+    for writer, path in zip((write_json, write_csv, write_png, write_markdown), paths):
+        writer(grid, path)
+    return paths

@@ -1,0 +1,192 @@
+"""One benchmark configuration, measured in the process that runs this module.
+
+    python -m ffl_backend.bench.worker '<configuration JSON>'     (prints one JSON line)
+
+The grid (grid.py) starts a fresh interpreter per configuration, so compiled code, allocator state,
+Dynamo counters and the peak-RSS high-water mark all belong to this configuration alone. Times come
+from a streamer that stamps every generate() step: the prompt, then each new token.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+DEFAULT_TEXT = ("It is a truth universally acknowledged, that a single man in possession of a good fortune, "
+                "must be in want of a wife. ")
+
+
+class TimingStreamer:
+    """A generate() streamer that timestamps every step: the prompt, then each new token."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def put(self, value):
+        if getattr(value, "is_cuda", False):  # GPU steps are asynchronous: stamp when the token exists
+            import torch
+
+            torch.cuda.synchronize()
+        self.stamps.append(time.perf_counter())
+
+    def end(self):
+        pass
+
+
+def prompt_ids(tokenizer, length: int, text_path: str | None = None):
+    """`length` tokens of real text (the file at `text_path` if given, else a fixed sentence)."""
+    import torch
+
+    text = DEFAULT_TEXT
+    if text_path and os.path.exists(text_path):
+        with open(text_path, encoding="utf-8") as fh:
+            text = fh.read(200_000)
+    ids = tokenizer(text * (1 + 4 * length // max(1, len(text.split()))), return_tensors="pt").input_ids
+    return ids[:, :length].contiguous() if ids.shape[1] >= length else torch.cat([ids] * 2, 1)[:, :length]
+
+
+def time_generate(model, ids, new_tokens: int) -> dict:
+    """One greedy generate() of exactly `new_tokens` per row, timed step by step.
+
+    decode_tok_s counts tokens of every row (batch x steps / s); tokens are row 0's new tokens and
+    rows_equal says whether every row produced them (the rows share one prompt)."""
+    import torch
+
+    streamer = TimingStreamer()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             streamer=streamer)
+    end = time.perf_counter()
+    s = streamer.stamps  # s[0]: prompt echoed; s[1]: first new token; s[-1]: last token
+    decode_s = s[-1] - s[1]
+    new = out[:, ids.shape[1]:]
+    return {"generate_s": end - start, "ttft_s": s[1] - start,
+            "decode_tok_s": ids.shape[0] * (len(s) - 2) / decode_s if decode_s > 0 else float("nan"),
+            "tokens": new[0].tolist(), "rows_equal": bool((new == new[:1]).all())}
+
+
+def weight_bytes(model) -> int:
+    """Bytes of weights one decode step reads: parameters and persistent buffers (quantized weights,
+    scales), each storage counted once. The input embedding is a row lookup, not a full read, so it
+    is left out unless the output head is tied to it and reads all of it. CPU re-layouts of the
+    same weights (packed int4, oneDNN bf16) are the same size and are not counted twice."""
+    emb = model.get_input_embeddings().weight
+    head_weight = getattr(model.get_output_embeddings(), "weight", None)  # a quantized head has none
+    tied = head_weight is not None and head_weight.data_ptr() == emb.data_ptr()
+    seen, total = set(), 0
+    for t in model.state_dict().values():
+        ptr = t.data_ptr()
+        if ptr in seen or (ptr == emb.data_ptr() and not tied):
+            continue
+        seen.add(ptr)
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _frames_recompiled() -> int:
+    """Compiles beyond the first of each code object, whatever the backend (Dynamo's own count)."""
+    from torch._dynamo import convert_frame
+
+    return sum(max(0, n - 1) for n in convert_frame.FRAME_COMPILE_COUNTER.values())
+
+
+def _graphs() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+def _load(cfg: dict):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=getattr(torch, cfg["dtype"]))
+    model = model.to(cfg.get("device", "cpu")).eval()
+    tok = AutoTokenizer.from_pretrained(cfg["model"])
+    load_s = time.perf_counter() - t0
+    quantize_s = 0.0
+    if cfg.get("quant", "none") != "none":
+        from ..quant import quantize
+
+        t0 = time.perf_counter()
+        quantize(model, cfg["quant"])
+        quantize_s = time.perf_counter() - t0
+    return model, tok, load_s, quantize_s
+
+
+def run_one(cfg: dict) -> dict:
+    """Load (and quantize), configure, compile on the first generate, then time `repeats` generates.
+
+    mode "warm" stops after the first generate: it is the second process of a configuration, run to
+    time compilation when Inductor's on-disk caches (FX graph, AOT and C++/Triton code) are warm."""
+    import torch
+
+    from ..generation import configure_generate
+
+    if cfg.get("threads"):
+        torch.set_num_threads(cfg["threads"])
+    model, tok, load_s, quantize_s = _load(cfg)
+    ids = prompt_ids(tok, cfg["prompt_len"], cfg.get("text")).repeat(cfg.get("batch", 1), 1)
+    ids = ids.to(cfg.get("device", "cpu"))
+    backend = None if cfg["backend"] == "eager" else cfg["backend"]
+    # Cache exactly as long as the request: its shape is part of the compiled decode graph.
+    configure_generate(model, backend=backend, options=cfg.get("options"),
+                       max_cache_len=cfg["prompt_len"] + cfg["new_tokens"])
+    first = time_generate(model, ids, cfg["new_tokens"])
+    out = {"load_s": load_s, "quantize_s": quantize_s, "first_generate_s": first["generate_s"]}
+    if cfg.get("mode") == "warm":
+        return out
+    for _ in range(cfg.get("warmup", 1) - 1):  # the first generate above is warm-up number one
+        time_generate(model, ids, cfg["new_tokens"])
+    graphs_before = _graphs()
+    runs = [time_generate(model, ids, cfg["new_tokens"]) for _ in range(cfg["repeats"])]
+    out.update(_summarize(model, cfg, first, runs, graphs_before))
+    return out
+
+
+def _summarize(model, cfg: dict, first: dict, runs: list[dict], graphs_before: int) -> dict:
+    import torch
+
+    from .bandwidth import read_gbs
+
+    rates = [r["decode_tok_s"] for r in runs]
+    ttft = statistics.median(r["ttft_s"] for r in runs)
+    median_generate = statistics.median(r["generate_s"] for r in runs)
+    nbytes = weight_bytes(model)
+    res = {
+        # First generate minus a steady one: what compiling (or eager warm-up) added.
+        "compile_cold_s": max(0.0, first["generate_s"] - median_generate),
+        "generate_s": median_generate,
+        "ttft_s": ttft, "prefill_tok_s": cfg.get("batch", 1) * cfg["prompt_len"] / ttft,
+        "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates,
+        "decode_tok_s_min": min(rates), "decode_tok_s_max": max(rates),
+        "decode_spread_pct": 100 * (max(rates) - min(rates)) / statistics.median(rates),
+        "recompiles": _frames_recompiled(), "graphs_compiled_while_timed": _graphs() - graphs_before,
+        # Read before the bandwidth probe below allocates its own buffer.
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "cuda_peak_mb": (torch.cuda.max_memory_allocated() / 2**20
+                         if cfg.get("device", "cpu").startswith("cuda") else None),
+        "tokens": first["tokens"], "rows_equal": all(r["rows_equal"] for r in [first, *runs]),
+        "deterministic": all(r["tokens"] == first["tokens"] for r in runs),
+        "weight_bytes": nbytes,
+    }
+    # Every decode step reads the weights once, whatever the batch: GB/s follows steps, not tokens.
+    res["effective_gbs"] = nbytes * res["decode_tok_s"] / cfg.get("batch", 1) / 1e9
+    res["ceiling_gbs"] = read_gbs(nbytes, cfg.get("device", "cpu"))
+    res["pct_of_ceiling"] = 100 * res["effective_gbs"] / res["ceiling_gbs"]
+    return res
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    print(json.dumps(run_one(json.loads(argv[0]))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""`ffl-bench`: one-line errors for bad requests, a tiny model end to end, and the output files' schema."""
+import csv
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tiny_models import tiny_model
+
+# Keys every successful result row carries in the JSON (the CSV holds the scalar ones).
+RESULT_KEYS = {"backend", "dtype", "quant", "batch", "prompt_len", "new_tokens", "load_s", "compile_cold_s",
+               "compile_warm_s", "ttft_s", "prefill_tok_s", "decode_tok_s", "decode_tok_s_all",
+               "decode_tok_s_min", "decode_tok_s_max", "decode_spread_pct", "peak_rss_mb", "recompiles",
+               "weight_bytes", "effective_gbs", "ceiling_gbs", "pct_of_ceiling", "tokens", "rows_equal"}
+
+
+def _bench(*args, timeout=240):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # workers run real code paths
+    return subprocess.run([sys.executable, "-m", "ffl_backend.bench", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    """A tiny random Llama with a word-level tokenizer, saved as a Hugging Face folder (no download)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from ffl_backend.bench.worker import DEFAULT_TEXT
+
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + sorted(set(DEFAULT_TEXT.split()))
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(folder)
+    tiny_model("llama").save_pretrained(folder)  # vocab 128 > the words above; 256 positions
+    return folder
+
+
+def _one_line_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ffl-bench: error: "), proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_missing_model_folder(tmp_path):
+    _one_line_error(_bench("--model", str(tmp_path / "nope")), "model folder not found")
+
+
+def test_folder_without_config(tmp_path):
+    _one_line_error(_bench("--model", str(tmp_path)), "no config.json")
+
+
+def test_unknown_backend(tiny_folder):
+    _one_line_error(_bench("--model", str(tiny_folder), "--backends", "tvm"), "--backends", "tvm")
+
+
+def test_unknown_scheme(tiny_folder):
+    _one_line_error(_bench("--model", str(tiny_folder), "--quant", "int3"), "--quant", "int3")
+
+
+def test_over_length_request(tiny_folder):
+    _one_line_error(_bench("--model", str(tiny_folder), "--prompt-lens", "250", "--new-tokens", "10"),
+                    "260 exceeds the model's 256 positions")
+
+
+def test_non_positive_count(tiny_folder):
+    _one_line_error(_bench("--model", str(tiny_folder), "--repeats", "0"), "positive integer")
+
+
+def test_only_skipped_configurations(tiny_folder):
+    _one_line_error(_bench("--model", str(tiny_folder), "--dtypes", "float32", "--quant", "int8"),
+                    "skipped", "bfloat16")
+
+
+def test_tiny_model_end_to_end(tiny_folder, tmp_path):
+    out = tmp_path / "res" / "tiny"
+    proc = _bench("--model", str(tiny_folder), "--backends", "eager", "inductor", "--dtypes", "float32",
+                  "--prompt-lens", "8", "--new-tokens", "6", "--batch-sizes", "2", "--repeats", "2",
+                  "--threads", "1", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| configuration |" in proc.stdout and "float32 inductor b2 p8" in proc.stdout
+    assert "2/2" in proc.stderr  # the progress line reached the end
+
+    grid = json.loads(out.with_suffix(".json").read_text())
+    assert set(grid) >= {"command", "environment", "bandwidth", "settings", "results", "skipped"}
+    assert grid["command"].startswith("ffl-bench --model")
+    assert grid["bandwidth"]["dram_read_gbs"] > 0 and grid["bandwidth"]["cache_read_gbs"] > 0
+    eager, inductor = grid["results"]
+    for r in (eager, inductor):
+        assert RESULT_KEYS <= set(r), RESULT_KEYS - set(r)
+        assert "error" not in r
+        assert len(r["tokens"]) == 6 and len(r["decode_tok_s_all"]) == 2 and r["rows_equal"]
+        assert r["decode_tok_s"] > 0 and r["ttft_s"] > 0 and r["weight_bytes"] > 0
+        assert r["tokens_equal_eager"] and r["matching_prefix"] == 6  # fp32 greedy: same tokens
+    assert eager["compile_warm_s"] is None and inductor["compile_warm_s"] >= 0
+    assert inductor["recompiles"] == 0 and inductor["graphs_compiled_while_timed"] == 0
+    assert inductor["speedup_vs_inductor"] == pytest.approx(1.0)
+
+    with open(out.with_suffix(".csv"), newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    from ffl_backend.bench.outputs import CSV_COLUMNS
+
+    assert tuple(rows[0]) == CSV_COLUMNS and len(rows) == 2
+    assert [r["backend"] for r in rows] == ["eager", "inductor"] and float(rows[1]["decode_tok_s"]) > 0
+
+    png = out.with_suffix(".png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    assert "| configuration |" in out.with_suffix(".md").read_text()
+
+
+def test_outputs_from_a_synthetic_grid(tmp_path):
+    """Every writer accepts an error row and a skipped configuration, and the speedup panel copes
+    with a group that has no Inductor baseline."""
+    from ffl_backend.bench.outputs import CSV_COLUMNS, table, write_all
+
+    base = {"backend": "fastflow", "dtype": "bfloat16", "quant": "int8", "batch": 1, "prompt_len": 16,
+            "new_tokens": 4}
+    ok = {**base, "decode_tok_s": 50.0, "decode_tok_s_min": 48.0, "decode_tok_s_max": 51.0, "ttft_s": 0.02,
+          "peak_rss_mb": 900.0, "tokens": [1, 2, 3, 4]}
+    grid = {"command": "ffl-bench", "environment": {"machine": "test cpu", "torch": "x", "transformers": "y",
+                                                    "torch_threads": 2, "date": "today"},
+            "bandwidth": {"dram_read_gbs": 30.0, "cache_read_gbs": 60.0},
+            "settings": {"model": "/m/tiny", "new_tokens": 4, "repeats": 1, "warmup": 1},
+            "results": [ok, {**base, "backend": "inductor", "error": "boom"}],
+            "skipped": [{**base, "dtype": "float32", "reason": "because"}]}
+    paths = write_all(grid, str(tmp_path / "g"))
+    assert all(os.path.getsize(p) > 0 for p in paths)
+    assert "error: boom" in table(grid) and "n/a (no eager run)" in table(grid)
+    with open(tmp_path / "g.csv", newline="") as fh:
+        rows = list(csv.DictReader(fh))
+    assert tuple(rows[0]) == CSV_COLUMNS and rows[1]["error"] == "boom"
+    assert "Skipped (because): float32 int8 fastflow b1 p16." in (tmp_path / "g.md").read_text()
