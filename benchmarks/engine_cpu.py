@@ -41,8 +41,9 @@ def machine() -> dict:
 
 
 def prompts_from_text(tokenizer, lengths) -> list[list[int]]:
-    path = ROOT.parent / "shared" / "data" / "prideprejudice.txt"
-    text = path.read_text() if path.exists() else "The quick brown fox jumps over the lazy dog. " * 400
+    paths = [ROOT.parent / "shared" / "data" / "prideprejudice.txt", Path("/work/shared/data/prideprejudice.txt")]
+    path = next((p for p in paths if p.exists()), None)
+    text = path.read_text() if path else "The quick brown fox jumps over the lazy dog. " * 400
     ids = tokenizer(text[:200_000])["input_ids"]
     return [ids[1000 * i: 1000 * i + n] for i, n in enumerate(lengths)]
 

@@ -24,6 +24,7 @@ __all__ = [
     "quantize",
     "load_quantized",
     "QuantConfig",
+    "OptimizedInferenceEngine",
 ]
 
 _LAZY = {
@@ -42,6 +43,7 @@ _LAZY = {
     "quantize": "quant.api",
     "load_quantized": "quant.serialization",
     "QuantConfig": "quant.config",
+    "OptimizedInferenceEngine": "engine.engine",
 }
 
 
