@@ -128,6 +128,7 @@ class OptimizedInferenceEngine:
         if max_batch_size < 1 or max_seq_len < 2 or block_size < 1:
             raise ValueError("max_batch_size >= 1, max_seq_len >= 2 and block_size >= 1 are required")
         model, tokenizer = _load(model_or_path, tokenizer, dtype)
+        _check_supported(model.config)
         if quant is not None:
             import ffl_backend
 
@@ -321,3 +322,14 @@ def _eos_ids(model, tokenizer) -> list[int]:
     if eos is None:
         return []
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def _check_supported(config) -> None:
+    """What the paged attention does not implement yet: refuse at construction, not mid-request."""
+    from ..attention.hf import has_sliding_layers
+
+    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if has_sliding_layers(config):
+        raise NotImplementedError("sliding-window attention layers are not supported by the paged engine yet")
+    if getattr(cfg, "attn_logit_softcapping", None):
+        raise NotImplementedError("attention logit softcapping is not supported by the paged engine yet")

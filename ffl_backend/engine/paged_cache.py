@@ -10,7 +10,9 @@ tensor given per step, so the write is the same graph whatever the slots are.
 The model's own forward runs unchanged: LlamaAttention calls
 `cache.update(key_states, value_states, layer_idx, kwargs=kwargs)` with the forward's extra keyword
 arguments, which is how `slot_mapping` reaches the cache and `block_tables`/`seq_lens` reach the
-attention function (attention.py) without copying any model code.
+attention function (attention.py) without copying any model code. Models whose attention calls
+`update(k, v, layer_idx)` without them (GPT-NeoX) read the same step state from the cache itself
+(`step_slots`, `step_paged`, set by the runner before each forward).
 """
 from __future__ import annotations
 
@@ -62,6 +64,7 @@ class PagedCacheMixin:
     def _init_pools(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
                     dtype: torch.dtype, device) -> None:
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.step_slots, self.step_paged = None, False  # set by the runner before every step
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -79,14 +82,17 @@ class PagedCacheMixin:
         """Write the new k/v (B, Hkv, L, D) at `slot_mapping` (B*L,); return what the attention
         function reads: the whole pools when decoding over block tables, else the new k/v."""
         kwargs = kwargs if kwargs is not None else kw
-        slots = kwargs["slot_mapping"]
+        if "slot_mapping" in kwargs:
+            slots, paged = kwargs["slot_mapping"], kwargs.get("block_tables") is not None
+        else:  # a model that calls update(k, v, layer_idx) without the forward's kwargs (GPT-NeoX)
+            slots, paged = self.step_slots, self.step_paged
         k_pool, v_pool = self.k_pools[layer_idx], self.v_pools[layer_idx]
         _, kv_heads, _, head_dim = key_states.shape
         flat_k = k_pool.view(-1, kv_heads, head_dim)
         flat_v = v_pool.view(-1, kv_heads, head_dim)
         flat_k.index_copy_(0, slots, key_states.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(k_pool.dtype))
         flat_v.index_copy_(0, slots, value_states.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(v_pool.dtype))
-        if kwargs.get("block_tables") is not None:
+        if paged:
             return k_pool, v_pool
         return key_states, value_states
 

@@ -68,6 +68,7 @@ class ModelRunner:
         ids = torch.tensor([tokens], dtype=torch.long, device=dev)
         pos = torch.arange(n, device=dev)[None]
         slots = torch.tensor(self._slots(range(n), blocks), dtype=torch.long, device=dev)
+        self.cache.step_slots, self.cache.step_paged = slots, False
         out = self.model(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True, slot_mapping=slots,
                          logits_to_keep=1)
         logits = out.logits[0, -1].float().cpu()
@@ -90,8 +91,10 @@ class ModelRunner:
             table[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         lens = torch.tensor([p + 1 for p in pos[:n]] + [1] * (size - n), dtype=torch.int32)
         dev = self.device
+        slots = torch.tensor(slots, device=dev)
+        self.cache.step_slots, self.cache.step_paged = slots, True
         logits = self._decode_fn(torch.tensor(ids, device=dev)[:, None], torch.tensor(pos, device=dev)[:, None],
-                                 torch.tensor(slots, device=dev), table.to(dev), lens.to(dev))
+                                 slots, table.to(dev), lens.to(dev))
         logits = logits[:n].cpu()
         self.timings["decode_s"] += time.perf_counter() - t0
         return logits
@@ -101,6 +104,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         dev = self.device
         for size in self.buckets:
+            self.cache.step_slots, self.cache.step_paged = torch.zeros(size, dtype=torch.long, device=dev), True
             with torch.no_grad():
                 self._decode_fn(torch.zeros((size, 1), dtype=torch.long, device=dev),
                                 torch.zeros((size, 1), dtype=torch.long, device=dev),
