@@ -17,7 +17,8 @@ Measured per call (SmolLM2 shapes: 9 q / 3 kv heads, D 64, bf16, block 16, 2 thr
     batched gather + masked SDPA (this)        58 us          179 us             809 us
     one SDPA per row (Python loop)             55 us          355 us            1126 us
     batched with advanced indexing + mask      80 us          337 us            1282 us
-The custom-op call itself adds ~20 us.
+The custom-op call itself adds ~20 us. A lone sequence whose blocks are consecutive (what the LIFO
+allocator hands out when nothing interleaves) skips the gather: the pool slice is a view.
 
 CUDA path (Triton): one program per (sequence, kv head) holds the whole GQA group of query rows
 (padded to 16 rows: tl.dot needs >= 16) and walks the sequence's block table one block at a time
@@ -61,6 +62,13 @@ def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Te
     lens = seq_lens.tolist()  # CPU tensors: no device sync
     longest = max(lens)
     nb = -(-longest // block)  # blocks the longest row needs, not max_blocks
+    if bsz == 1:
+        first, row = int(block_tables[0, 0]), block_tables[0, :nb].tolist()
+        if row == list(range(first, first + nb)):  # consecutive blocks (the allocator's usual case
+            # for a lone sequence): a view of the pool, no gather at all
+            k = k_pool[first:first + nb].view(1, nb * block, -1, head_dim)[:, :longest].transpose(1, 2)
+            v = v_pool[first:first + nb].view(1, nb * block, -1, head_dim)[:, :longest].transpose(1, 2)
+            return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)[:, :, 0].contiguous()
     idx = block_tables[:, :nb].reshape(-1).to(device=k_pool.device, dtype=torch.long)
     k = k_pool.index_select(0, idx).view(bsz, nb * block, -1, head_dim).transpose(1, 2)  # (B, Hkv, S, D)
     v = v_pool.index_select(0, idx).view(bsz, nb * block, -1, head_dim).transpose(1, 2)
