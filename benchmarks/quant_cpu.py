@@ -1,7 +1,7 @@
 """SmolLM2-135M quantized on CPU: decode tok/s (batch 1, plain generate()) and peak RSS.
 
     python benchmarks/quant_cpu.py decode --model int8 --dtype bfloat16
-    python benchmarks/quant_cpu.py rss --model bf16|int8-load|int8-quantize [--dir saved_int8]
+    python benchmarks/quant_cpu.py rss --model bf16|int8-load|int8-hf|int8-quantize [--dir saved_int8]
     python benchmarks/quant_cpu.py save --dir saved_int8
 
 Each decode run warms up (compiles) first, verifies the greedy output is the same text twice, then
@@ -68,6 +68,11 @@ def rss(args) -> dict:
 
     if args.model == "int8-load":
         model = ffl_backend.load_quantized(args.dir)
+    elif args.model == "int8-hf":  # transformers' own loader through the registered quantizer
+        from transformers import AutoModelForCausalLM
+
+        ffl_backend.quant.register_with_transformers()
+        model = AutoModelForCausalLM.from_pretrained(args.dir)
     elif args.model == "bf16":  # the model alone, like load_quantized (no tokenizer)
         from transformers import AutoModelForCausalLM
 
@@ -90,7 +95,7 @@ def save(args) -> dict:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["decode", "rss", "save"])
-    p.add_argument("--model", default="int8", help="bf16 | int8 | int4 | int4-g32 | w8a8 | fp8 | int8-load | int8-quantize")
+    p.add_argument("--model", default="int8", help="bf16 | int8 | int4 | int4-g32 | w8a8 | fp8 | int8-load | int8-hf | int8-quantize")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="fastflow")
     p.add_argument("--threads", type=int, default=1)

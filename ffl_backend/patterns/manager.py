@@ -1,8 +1,10 @@
 """The pass manager: runs the enabled pattern families over a Dynamo graph, in a fixed order.
 
 Order matters: horizontal fusion first (it changes which linears feed the gates), then norms (the
-residual-add fold needs the RMSNorm op in place), then activations, then rotary. Each family runs
-on a copy-on-failure basis: if a pass raises, the graph is restored to its state before that pass.
+residual-add fold needs the RMSNorm op in place), then activations, then rotary, then the CPU
+linear families (single-row GEMVs first; packed_linear takes the multi-row linears left). Each
+family runs on a copy-on-failure basis: if a pass raises, the graph is restored to its state
+before that pass.
 """
 from __future__ import annotations
 
@@ -74,10 +76,17 @@ def run_passes(gm: fx.GraphModule, example_inputs, families, report, on_error="f
 
 
 def _snapshot(graph: fx.Graph) -> fx.Graph:
-    """A node-for-node copy (meta dicts shallow-copied, so fake tensors are shared, not cloned)."""
+    """A node-for-node copy (meta dicts shallow-copied, so fake tensors are shared, not cloned).
+
+    Dynamo also tags each placeholder with a `_dynamo_source` attribute (not in meta) that AOT
+    autograd asserts on; it is carried over too, or a restored graph would crash in Inductor."""
     copy = fx.Graph(owning_module=graph.owning_module)
-    out = copy.graph_copy(graph, {})
+    val_map: dict = {}
+    out = copy.graph_copy(graph, val_map)
     copy.output(out)
+    for old, new in val_map.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
     return copy
 
 

@@ -24,7 +24,8 @@ def _compile(fn, **options):
     return torch.compile(fn, backend="fastflow", options={"inductor": False, **options})
 
 
-def test_broken_pattern_falls_back_to_the_original_graph(monkeypatch, caplog):
+@pytest.mark.parametrize("inductor", [False, True])
+def test_broken_pattern_falls_back_to_the_original_graph(monkeypatch, caplog, inductor):
     def broken(gm, ctx):
         for node in gm.graph.nodes:  # damage the graph, then fail: the manager must undo both
             if node.op == "call_function":
@@ -34,7 +35,7 @@ def test_broken_pattern_falls_back_to_the_original_graph(monkeypatch, caplog):
     monkeypatch.setitem(manager.PASSES, "rms_norm", broken)
     x, w = torch.randn(4, 32), torch.nn.Parameter(torch.randn(32))
     with caplog.at_level(logging.WARNING, logger="ffl_backend"):
-        out = _compile(rms)(x, w)
+        out = _compile(rms, inductor=inductor)(x, w)  # Inductor: the restored graph must compile
     torch.testing.assert_close(out, rms(x, w))
     rep = ffl_backend.last_report()
     assert "rms_norm" in rep.fallbacks and "boom" in rep.fallbacks["rms_norm"]
