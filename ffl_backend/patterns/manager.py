@@ -2,9 +2,8 @@
 
 Order matters: horizontal fusion first (it changes which linears feed the gates), then norms (the
 residual-add fold needs the RMSNorm op in place), then activations, then rotary, then the CPU
-linear families (single-row GEMVs first; packed_linear takes the multi-row linears left). Each
-family runs on a copy-on-failure basis: if a pass raises, the graph is restored to its state
-before that pass.
+packed linears. Each family runs on a copy-on-failure basis: if a pass raises, the graph is
+restored to its state before that pass.
 """
 from __future__ import annotations
 
