@@ -27,12 +27,6 @@ def register_with_transformers() -> None:
 
     register()
 
-
-def config_entry(model: nn.Module) -> dict:
-    from .hf_integration import config_entry as entry
-
-    return entry(model)
-
 logger = logging.getLogger("ffl_backend")
 
 MANIFEST = "ffl_quant.json"
@@ -57,6 +51,8 @@ def save_quantized(model: nn.Module, directory) -> Path:
                 "modules": {name: m.spec() for name, m in modules.items()}, "aliases": aliases,
                 "num_tensors": len(tensors)}
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": FORMAT, "num_tensors": str(len(tensors))})
+    from .hf_integration import config_entry  # imports transformers: on use only
+
     register_with_transformers()
     config = copy.deepcopy(model.config)
     config.quantization_config = config_entry(model)  # what from_pretrained(folder) needs
