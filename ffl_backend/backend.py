@@ -69,7 +69,7 @@ def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
                          num_nodes_before=len(gm.graph.nodes), compile_id=compile_id,
                          recompile=recompile, guard_failure=guard)
     start = time.perf_counter()
-    gm = run_passes(gm, example_inputs, opts.patterns, report, opts.on_error)
+    gm = run_passes(gm, example_inputs, report, opts)
     report.ops = fastflow_op_counts(gm)
     report.unfused = unfused_anchor_counts(gm)
     report.num_nodes_after = len(gm.graph.nodes)

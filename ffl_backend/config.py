@@ -11,6 +11,10 @@ on_error      "fallback" (default): a family whose pass raises is skipped for th
               "raise": re-raise (for development).
 inductor      True (default): compile the rewritten graph with Inductor. False: run it as is
               (eager), to debug a pattern without Inductor in the way.
+bf16_exact_weights  True (default): on CPU, single-row (decode) fp32 linears whose weights are all
+              exact bf16 values (a bf16 checkpoint loaded in fp32) read a bf16 copy of the weight:
+              half the bytes, identical products, fp32 accumulation. Costs the copy's memory (half
+              the fp32 weights it covers). False: fp32 weights are always read as fp32.
 inductor_config  extra `torch._inductor.config` patches, applied to this compile only, e.g.
               {"cpp_wrapper": True}: ~5% faster fp32 CPU decode, ~3x longer compile (measured).
               Inductor's `freezing` cannot be set here: Dynamo decides it at trace time, and with
@@ -22,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 
 PATTERN_FAMILIES = (
-    "horizontal", "rms_norm", "add_rms_norm", "layer_norm", "gated_act", "gelu", "rotary", "packed_linear",
+    "horizontal", "rms_norm", "add_rms_norm", "layer_norm", "gated_act", "gelu", "rotary", "decode_gemv",
+    "packed_linear",
 )
 
 
@@ -31,6 +36,7 @@ class BackendOptions:
     patterns: tuple = PATTERN_FAMILIES
     on_error: str = "fallback"
     inductor: bool = True
+    bf16_exact_weights: bool = True
     inductor_config: dict = dataclasses.field(default_factory=dict)
 
     @classmethod

@@ -15,21 +15,13 @@ On other devices, and for dtypes without a packed path, the op is plain `F.linea
 """
 from __future__ import annotations
 
-import threading
-import weakref
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from . import weight_cache
+
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
-
-_lock = threading.Lock()
-_cache: dict = {}  # weight key -> (weakref to the weight, its version, packed weight)
-
-
-def _key(w: Tensor):
-    return (w.data_ptr(), w.storage_offset(), tuple(w.shape), tuple(w.stride()), w.dtype)
 
 
 def can_pack(w: Tensor) -> bool:
@@ -40,22 +32,13 @@ def can_pack(w: Tensor) -> bool:
 @torch.no_grad()
 def prepack(w: Tensor, batch_hint: int = 1) -> Tensor:
     """The oneDNN-packed form of `w` (N, K), made once and cached while `w` lives unchanged."""
-    key = _key(w)
-    with _lock:
-        entry = _cache.get(key)
-        if entry is not None and entry[0]() is not None and entry[1] == w._version:
-            return entry[2]
-    packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), max(1, int(batch_hint)))
-    with _lock:
-        _cache[key] = (weakref.ref(w), w._version, packed)
-        weakref.finalize(w, _cache.pop, key, None)
-    return packed
+    return weight_cache.derived(
+        "onednn", w, lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), max(1, int(batch_hint))))
 
 
 def clear_packed_weights() -> None:
     """Drop every cached packed weight (they are rebuilt on demand)."""
-    with _lock:
-        _cache.clear()
+    weight_cache.clear("onednn")
 
 
 def packed_linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

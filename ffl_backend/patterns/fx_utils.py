@@ -125,3 +125,17 @@ def call_op(graph: fx.Graph, op, args, like: fx.Node, n_outputs: int = 1):
         if n_outputs == 1:
             return node
         return node, [graph.call_function(operator.getitem, (node, i)) for i in range(n_outputs)]
+
+
+def attach_constant(gm: fx.GraphModule, tensor, prefix: str) -> str:
+    """Register `tensor` as a buffer of `gm` under a fresh `prefix_<n>` name and return the name.
+    AOT autograd lifts buffers to inputs and wants a Dynamo source for each (for guard dedup); a
+    constant source names it, as it has no user origin."""
+    from torch._dynamo.source import ConstantSource
+
+    taken = {n for n, _ in gm.named_buffers()}
+    name = next(f"{prefix}_{i}" for i in range(len(taken) + 1) if f"{prefix}_{i}" not in taken)
+    gm.register_buffer(name, tensor)
+    if hasattr(gm, "_param_name_to_source"):
+        gm._param_name_to_source[name] = ConstantSource(name)
+    return name

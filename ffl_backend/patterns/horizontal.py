@@ -60,18 +60,6 @@ def _fuse_tensors(tensors):
     return base if base is not None else torch.cat([t.detach() for t in tensors], dim=0)
 
 
-def _attach(gm: fx.GraphModule, tensor) -> str:
-    """Register as a buffer of the graph module. AOT autograd lifts buffers to inputs and wants a
-    Dynamo source for each (for guard dedup); a constant source names it, as it has no user origin."""
-    from torch._dynamo.source import ConstantSource
-
-    name = f"{FUSED_PREFIX}_{sum(1 for n, _ in gm.named_buffers() if n.startswith(FUSED_PREFIX))}"
-    gm.register_buffer(name, tensor)
-    if hasattr(gm, "_param_name_to_source"):
-        gm._param_name_to_source[name] = ConstantSource(name)
-    return name
-
-
 def horizontal_pass(gm: fx.GraphModule, ctx) -> int:
     """Fuse every group of >= 2 parameter linears reading the same input (same dtype, bias-ness)."""
     graph = gm.graph
@@ -92,8 +80,9 @@ def horizontal_pass(gm: fx.GraphModule, ctx) -> int:
         sizes = [w.shape[0] for w in weights]
         first = nodes[0]
         with graph.inserting_before(first):
-            w_attr = graph.get_attr(_attach(gm, _fuse_tensors(list(weights))))
-            b_attr = graph.get_attr(_attach(gm, _fuse_tensors(list(biases)))) if biases[0] is not None else None
+            w_attr = graph.get_attr(U.attach_constant(gm, _fuse_tensors(list(weights)), FUSED_PREFIX))
+            b_attr = (graph.get_attr(U.attach_constant(gm, _fuse_tensors(list(biases)), FUSED_PREFIX))
+                      if biases[0] is not None else None)
             fused = graph.call_function(torch._C._nn.linear, (x, w_attr, b_attr))
             parts = graph.call_function(torch.split, (fused, sizes), {"dim": -1})
             outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(nodes))]

@@ -2,7 +2,7 @@
 
 Order matters: horizontal fusion first (it changes which linears feed the gates), then norms (the
 residual-add fold needs the RMSNorm op in place), then activations, then rotary, then the CPU
-packed linears. Each family runs on a copy-on-failure basis: if a pass raises, the graph is
+linears: single-row GEMVs first (decode_gemv), the rest pre-packed (packed_linear). Each family runs on a copy-on-failure basis: if a pass raises, the graph is
 restored to its state before that pass.
 """
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from . import activations, cpu_linear, horizontal, norms, rotary
+from . import activations, cpu_linear, decode_gemv, horizontal, norms, rotary
 
 logger = logging.getLogger("ffl_backend")
 
@@ -25,6 +25,7 @@ PASSES = {
     "gated_act": activations.gated_act_pass,
     "gelu": activations.gelu_pass,
     "rotary": rotary.rotary_pass,
+    "decode_gemv": decode_gemv.decode_gemv_pass,
     "packed_linear": cpu_linear.packed_linear_pass,
 }
 
@@ -32,9 +33,12 @@ PASSES = {
 class PassContext:
     """What passes may know about the graph beyond its nodes: the real input tensors."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs, report):
+    def __init__(self, gm: fx.GraphModule, example_inputs, report, options=None):
+        from ..config import BackendOptions
+
         self.gm = gm
         self.report = report
+        self.options = options if options is not None else BackendOptions()
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.inputs = {n: t for n, t in zip(placeholders, example_inputs) if isinstance(t, torch.Tensor)}
 
@@ -54,16 +58,16 @@ class PassContext:
         self.report.reasons.append((family, getattr(node, "name", str(node)), why))
 
 
-def run_passes(gm: fx.GraphModule, example_inputs, families, report, on_error="fallback") -> fx.GraphModule:
-    """Apply each family in `families` (in PASSES order); fill `report.matches` / `fallbacks`."""
-    ctx = PassContext(gm, example_inputs, report)
-    for family in (f for f in PASSES if f in families):
+def run_passes(gm: fx.GraphModule, example_inputs, report, options) -> fx.GraphModule:
+    """Apply each family in `options.patterns` (in PASSES order); fill `report.matches` / `fallbacks`."""
+    ctx = PassContext(gm, example_inputs, report, options)
+    for family in (f for f in PASSES if f in options.patterns):
         saved = _snapshot(gm.graph)
         try:
             report.matches[family] += PASSES[family](gm, ctx)
             gm.graph.lint()
         except Exception as exc:  # a broken pattern must never break the user's model
-            if on_error == "raise":
+            if options.on_error == "raise":
                 raise
             logger.warning("fastflow: pattern family %r failed (%s: %s); graph left without it",
                            family, type(exc).__name__, exc)

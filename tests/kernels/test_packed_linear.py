@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from ffl_backend.kernels import packed_linear as P
+from ffl_backend.kernels import weight_cache
 from tests.helpers import assert_matches_reference
 
 SHAPES = [((1, 576), 960), ((5, 123), 77), ((2, 3, 64), 200)]
@@ -32,11 +33,11 @@ def test_in_place_weight_update_is_repacked_not_served_stale():
 
 def test_freed_weight_leaves_no_entry_behind():
     w = torch.nn.Parameter(torch.randn(48, 32, dtype=torch.bfloat16))
-    key = P._key(w)
+    key = weight_cache._key("onednn", w)
     P.prepack(w)
-    assert key in P._cache
+    assert key in weight_cache._cache
     del w
-    assert key not in P._cache
+    assert key not in weight_cache._cache
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

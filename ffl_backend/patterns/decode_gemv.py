@@ -1,0 +1,113 @@
+"""CPU decode GEMV family: single-row linears become multiply + sum, compiled by Inductor to C++.
+
+A batch-1 decode step multiplies one activation row by every weight matrix once: GEMVs, bound by
+how fast the weights stream from cache. Inductor turns `(x[..., None, :] * w).sum(-1)` into one
+vectorized reduction loop per output row, split across threads, with the weight converted in
+registers and never materialized. On SmolLM2-135M's decode step (2 threads, this CPU) that beats
+the library GEMVs it replaces:
+
+    bf16  oneDNN on pre-packed weights (packed_linear)  47 tok/s  ->  multiply + sum  51.5 tok/s
+    fp32  MKL F.linear                                  40 tok/s  ->  multiply + sum  ~40 tok/s
+    fp32 weights that are exact bf16 values, kept as a bf16 copy  ->                   58.5 tok/s
+
+So the family takes bf16 linears, and fp32 linears whose weight values are all exactly
+representable in bf16 (a bf16 checkpoint loaded in fp32, as SmolLM2 is): those read a bf16 copy
+of the weight, half the bytes, with the same products and the same fp32 accumulation -- lossless.
+Other fp32 weights stay on MKL (no measured gain), fp16 on packed_linear (not measured).
+
+Matched only where the activation has exactly one row and a static shape (multi-row prefill and
+batched decode keep the GEMM libraries), on CPU, and only when Inductor compiles the graph: run
+eagerly the expression would materialize an (N, K) product.
+
+Numerics: products and the sum in fp32, as oneDNN and MKL accumulate, one rounding to the
+activation dtype at the end; only the summation order differs from the library kernels.
+The bf16 copy is a compile-time constant, like horizontal fusion's fused weights: changing the
+weights after compiling needs `torch._dynamo.reset()` (README, "Weights are constants").
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.fx as fx
+from torch import Tensor
+
+from ..kernels import weight_cache
+from . import fx_utils as U
+from .cpu_linear import _weight_tensor
+
+COMPACT_PREFIX = "_fastflow_bf16_weight"
+
+
+def linear_rowwise(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """`F.linear(x, weight, bias)` for a single row of x, as multiply + sum in fp32 (x's dtype out)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    # as_strided makes Inductor store x once. Otherwise it inlines x's producer (RMSNorm, rotary,
+    # attention output) into the reduction and recomputes it for every weight row: 1.2x slower step.
+    row = torch.as_strided(x, x.shape, x.stride())
+    y = (row.to(acc).unsqueeze(-2) * weight.to(acc)).sum(-1)
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype)
+
+
+def is_bf16_exact(w: Tensor) -> bool:
+    """Whether every fp32 value of `w` is a bf16 value (its low 16 mantissa bits are zero)."""
+    return w.dtype == torch.float32 and not bool((w.detach().view(torch.int32) & 0xFFFF).any())
+
+
+def _single_cpu_row(x) -> bool:
+    """Whether x is a CPU tensor of static shape with one row of features."""
+    xv = U.value(x)
+    if not isinstance(xv, torch.Tensor) or xv.device.type != "cpu" or xv.dim() < 1:
+        return False
+    if any(not isinstance(s, int) for s in xv.shape):  # a dynamic shape: the row count may change
+        return False
+    return xv.numel() == xv.shape[-1]
+
+
+def _compact_weight(gm: fx.GraphModule, w_node, w: Tensor):
+    """A get_attr node of the bf16 copy of `w` (shared across compiles of the same weight)."""
+    copy = weight_cache.derived("bf16_exact", w, lambda t: t.detach().to(torch.bfloat16))
+    with gm.graph.inserting_before(w_node if w_node.op == "get_attr" else _first_op(gm.graph)):
+        return gm.graph.get_attr(U.attach_constant(gm, copy, COMPACT_PREFIX))
+
+
+def _first_op(graph: fx.Graph) -> fx.Node:
+    return next(n for n in graph.nodes if n.op != "placeholder")
+
+
+def _drop_unused_constant(gm: fx.GraphModule, node) -> None:
+    """Free a constant (e.g. a horizontally fused fp32 weight) whose only reader was replaced."""
+    if isinstance(node, fx.Node) and node.op == "get_attr" and not node.users:
+        target = node.target
+        gm.graph.erase_node(node)
+        if not any(n.op == "get_attr" and n.target == target for n in gm.graph.nodes):
+            delattr(gm, target)
+
+
+def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node) -> bool:
+    x, w_node, b_node = node.args[0], U.arg(node, 1, "weight"), U.arg(node, 2, "bias")
+    w = _weight_tensor(w_node, ctx)
+    if w is None or w.device.type != "cpu" or not _single_cpu_row(x) or U.dtype_of(x) != w.dtype:
+        return False
+    if w.dtype == torch.float32:
+        if not (ctx.options.bf16_exact_weights and is_bf16_exact(w)):
+            return False
+        weight_arg = _compact_weight(gm, w_node, w)
+    elif w.dtype == torch.bfloat16:
+        weight_arg = w_node
+    else:
+        return False
+    new = U.copy_meta(U.call_op(gm.graph, linear_rowwise, (x, weight_arg, b_node), node), node)
+    node.replace_all_uses_with(new)
+    U.erase_dead(gm.graph, [node])
+    if weight_arg is not w_node:
+        _drop_unused_constant(gm, w_node)
+    return True
+
+
+def decode_gemv_pass(gm: fx.GraphModule, ctx) -> int:
+    if not ctx.options.inductor:  # eager would materialize the (N, K) product
+        return 0
+    return sum(_rewrite(gm, ctx, node) for node in [n for n in gm.graph.nodes if U.is_op(n, "linear")])

@@ -1,0 +1,111 @@
+"""decode_gemv family: single-row CPU linears become multiply + sum under Inductor, and fp32 weights
+that are exact bf16 values are read from a bf16 copy; everything else is left alone."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ffl_backend
+from ffl_backend.generation import configure_generate
+from ffl_backend.kernels import weight_cache
+from ffl_backend.patterns.decode_gemv import is_bf16_exact, linear_rowwise
+from tests.helpers import assert_matches_reference
+from tests.tiny_models import LAYERS, tiny_model
+
+
+def _linear_model(n, k, dtype, bias, exact=False):
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(k, n, bias=bias).to(dtype)
+    if exact:  # a bf16 checkpoint loaded in fp32
+        with torch.no_grad():
+            for p in lin.parameters():
+                p.copy_(p.to(torch.bfloat16).to(dtype))
+    return lin.eval()
+
+
+def _compiled(module, **options):
+    torch._dynamo.reset()
+    ffl_backend.clear_reports()
+    return torch.compile(module, backend="fastflow", options={"on_error": "raise", **options})
+
+
+@pytest.mark.parametrize("dtype,exact", [(torch.bfloat16, False), (torch.float32, True)])
+@pytest.mark.parametrize("xshape,n", [((1, 576), 960), ((1, 1, 123), 77), ((123,), 5)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_single_row_linear_is_rewritten_and_matches_reference(dtype, exact, xshape, n, bias):
+    lin = _linear_model(n, xshape[-1], dtype, bias, exact)
+    x = torch.randn(xshape, dtype=dtype)
+    with torch.no_grad():
+        out = _compiled(lin)(x)
+    assert ffl_backend.last_report().matches["decode_gemv"] == 1
+    assert_matches_reference(out, F.linear, (x, lin.weight.detach(), None if lin.bias is None else lin.bias.detach()),
+                             interpreted=False)
+
+
+def test_multi_row_and_inexact_fp32_and_eager_graphs_are_left_alone():
+    lin_bf16 = _linear_model(64, 48, torch.bfloat16, True)
+    with torch.no_grad():
+        _compiled(lin_bf16)(torch.randn(3, 48, dtype=torch.bfloat16))  # prefill-like: 3 rows
+        rep = ffl_backend.last_report()
+        assert rep.matches["decode_gemv"] == 0 and rep.ops["packed_linear"] == 1
+
+        lin_fp32 = _linear_model(64, 48, torch.float32, True)  # random fp32: not bf16 values
+        x = torch.randn(1, 48)
+        torch.testing.assert_close(_compiled(lin_fp32)(x), lin_fp32(x))
+        assert ffl_backend.last_report().matches["decode_gemv"] == 0
+
+        exact = _linear_model(64, 48, torch.float32, True, exact=True)
+        torch.testing.assert_close(_compiled(exact, bf16_exact_weights=False)(x), exact(x))
+        assert ffl_backend.last_report().matches["decode_gemv"] == 0
+
+        torch.testing.assert_close(_compiled(lin_bf16, inductor=False)(x.bfloat16()), lin_bf16(x.bfloat16()))
+        assert ffl_backend.last_report().matches["decode_gemv"] == 0
+
+
+def test_bf16_exact_detects_low_mantissa_bits():
+    w = torch.randn(32, 16)
+    assert not is_bf16_exact(w)
+    assert is_bf16_exact(w.bfloat16().float())
+    assert not is_bf16_exact(w.bfloat16())  # already bf16: nothing to compact
+    w2 = w.bfloat16().float()
+    w2[3, 5] = w2[3, 5].nextafter(torch.tensor(1e9))  # one value with a low bit set
+    assert not is_bf16_exact(w2)
+
+
+def test_compact_copy_is_shared_across_compiles_and_rebuilt_after_an_update():
+    w = torch.randn(16, 8).bfloat16().float()
+    make = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    first = weight_cache.derived("bf16_exact", w, make)
+    assert weight_cache.derived("bf16_exact", w, make) is first
+    with torch.no_grad():
+        w.mul_(2)
+    second = weight_cache.derived("bf16_exact", w, make)
+    assert second is not first and torch.equal(second, w.to(torch.bfloat16))
+
+
+def test_rowwise_expression_equals_linear_in_eager():
+    x, w, b = torch.randn(1, 1, 40), torch.randn(24, 40), torch.randn(24)
+    torch.testing.assert_close(linear_rowwise(x, w, b), F.linear(x, w, b))
+
+
+def test_bf16_exact_fp32_model_decodes_like_eager():
+    """A tiny Llama whose fp32 weights are bf16 values: every decode linear (fused q/k/v, o, fused
+    gate/up, down, lm_head) runs on a bf16 copy, and greedy tokens equal eager's."""
+    model = tiny_model("llama")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.bfloat16().float())
+    ids = torch.randint(3, 128, (1, 9))
+    kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, output_logits=True,
+              return_dict_in_generate=True)
+    configure_generate(model, backend=None)
+    eager = model.generate(ids, **kw)
+    torch._dynamo.reset()
+    ffl_backend.clear_reports()
+    configure_generate(model, backend="fastflow", options={"on_error": "raise"})
+    fast = model.generate(ids, **kw)
+    assert torch.equal(fast.sequences, eager.sequences)
+    for a, b in zip(fast.logits, eager.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    rep = ffl_backend.last_report()
+    assert rep.matches["decode_gemv"] == 4 * LAYERS + 1
+    assert "packed_linear" not in rep.ops
