@@ -1,8 +1,8 @@
 """SmolLM2-135M quantized on CPU: decode tok/s (batch 1, plain generate()) and peak RSS.
 
     python benchmarks/quant_cpu.py decode --model int8 --dtype bfloat16
-    python benchmarks/quant_cpu.py rss --model bf16|int8-load|int8-hf|int8-quantize [--dir saved_int8]
-    python benchmarks/quant_cpu.py save --dir saved_int8
+    python benchmarks/quant_cpu.py rss --model imports|bf16|int8-load|int8-hf|int8-quantize [--dir saved_int8]
+    python benchmarks/quant_cpu.py save --model int8|int8-all --dir saved_int8
 
 Each decode run warms up (compiles) first, verifies the greedy output is the same text twice, then
 times generate() of 8 and of 72 new tokens: 64 / (t72 - t8) is decode only, no prefill. On a shared
@@ -32,6 +32,8 @@ def _model(name: str, dtype):
         ffl_backend.quantize(model, ffl_backend.QuantConfig("int4", group_size=int(name[6:] or 128)))
     elif name in ("int8", "w8a8", "fp8"):
         ffl_backend.quantize(model, name)
+    elif name == "int8-all":  # embedding and (tied) lm_head too: one shared int8 table
+        ffl_backend.quantize(model, ffl_backend.QuantConfig("int8", skip=()))
     return model, tok
 
 
@@ -66,6 +68,11 @@ def decode(args) -> dict:
 def rss(args) -> dict:
     import ffl_backend
 
+    if args.model == "imports":  # what every variant pays before its first tensor
+        from transformers import AutoModelForCausalLM  # noqa: F401
+        from transformers.models.llama import modeling_llama  # noqa: F401
+
+        return {"model": args.model, "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     if args.model == "int8-load":
         model = ffl_backend.load_quantized(args.dir)
     elif args.model == "int8-hf":  # transformers' own loader through the registered quantizer
@@ -87,7 +94,7 @@ def rss(args) -> dict:
 def save(args) -> dict:
     from ffl_backend.quant import save_quantized
 
-    model, _ = _model("int8", torch.bfloat16)
+    model, _ = _model(args.model, torch.bfloat16)
     save_quantized(model, args.dir)
     return {"saved": args.dir}
 
@@ -95,7 +102,8 @@ def save(args) -> dict:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["decode", "rss", "save"])
-    p.add_argument("--model", default="int8", help="bf16 | int8 | int4 | int4-g32 | w8a8 | fp8 | int8-load | int8-hf | int8-quantize")
+    p.add_argument("--model", default="int8", help="bf16 | int8 | int8-all | int4 | int4-g32 | w8a8 | fp8 | imports | int8-load | int8-hf | "
+                   "int8-quantize")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="fastflow")
     p.add_argument("--threads", type=int, default=1)

@@ -76,7 +76,9 @@ def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     if opts.inductor:
         from torch._inductor.compile_fx import compile_fx
 
-        compiled = compile_fx(gm, example_inputs, config_patches=dict(opts.inductor_config))
+        from .cache_key import cache_config
+
+        compiled = compile_fx(gm, example_inputs, config_patches=cache_config(dict(opts.inductor_config)))
     else:
         compiled = gm.forward
     report.compile_seconds = time.perf_counter() - start

@@ -21,11 +21,11 @@ import sys
 import tempfile
 import time
 
-from ..quant.config import SCHEMES
+from ..quant.config import PRESETS, SCHEMES
 
 BACKENDS = ("eager", "inductor", "fastflow")
 DTYPES = ("float32", "bfloat16")
-QUANTS = ("none", *SCHEMES)  # "none": the model as loaded
+QUANTS = ("none", *SCHEMES, *PRESETS)  # "none": the model as loaded
 
 
 def skip_reason(cfg: dict) -> str | None:

@@ -31,6 +31,9 @@ from ._triton import HAS_TRITON, rows_2d
 # torch's CPU int4 kernel accepts only these group sizes, and N in multiples of 16.
 INT4_CPU_GROUPS = (32, 64, 128, 256)
 INT4_CPU_N_MULTIPLE = 16
+# torch 2.13's CPU int8 kernel (`_weight_int8pack_mm`) reads K in blocks: with K not a multiple of 16
+# it segfaults for M > 1 (and for M = 1 unless K % 4 == 0). Such layers take the reference path.
+INT8_CPU_K_MULTIPLE = 16
 
 
 def _acc(x: Tensor) -> torch.dtype:
@@ -103,6 +106,8 @@ def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],
         cpu_scale = scale
     elif cpu_scale is None:  # direct eager calls only; quantized modules always pass cpu_scale
         cpu_scale = scale.to(torch.bfloat16)
+    if qweight.shape[1] % INT8_CPU_K_MULTIPLE:
+        return int8_linear_ref(x, qweight, scale, bias)
     x2d = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     return _finish(torch._weight_int8pack_mm(x2d, qweight, cpu_scale), x, bias)
 

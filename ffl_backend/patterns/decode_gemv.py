@@ -3,24 +3,28 @@
 A batch-1 decode step multiplies one activation row by every weight matrix once: GEMVs, bound by
 how fast the weights stream from cache. Inductor turns `(x[..., None, :] * w).sum(-1)` into one
 vectorized reduction loop per output row, split across threads, with the weight converted in
-registers and never materialized. On SmolLM2-135M's decode step (2 threads, this CPU) that beats
-the library GEMVs it replaces:
+registers and never materialized. On SmolLM2-135M's decode step (2 threads, this CPU, tok/s) that
+beats the library GEMVs it replaces:
 
-    bf16  oneDNN on pre-packed weights (packed_linear)  47 tok/s  ->  multiply + sum  51.5 tok/s
-    fp32  MKL F.linear                                  40 tok/s  ->  multiply + sum  ~40 tok/s
-    fp32 weights that are exact bf16 values, kept as a bf16 copy  ->                   58.5 tok/s
+    bf16 weights   oneDNN on pre-packed weights (packed_linear)   47  ->  multiply + sum  52
+    int8 weights   torch._weight_int8pack_mm                      67  ->  multiply + sum  73
+    fp32 weights   MKL F.linear                                   40  ->  multiply + sum  ~40
+    fp32 weights that are exact bf16 values, read as a bf16 copy  40  ->                  58
 
-So the family takes bf16 linears, and fp32 linears whose weight values are all exactly
-representable in bf16 (a bf16 checkpoint loaded in fp32, as SmolLM2 is): those read a bf16 copy
-of the weight, half the bytes, with the same products and the same fp32 accumulation -- lossless.
-Other fp32 weights stay on MKL (no measured gain), fp16 on packed_linear (not measured).
+So the family takes bf16 linears, `fastflow.int8_linear` (weight-only int8; the scale multiplies
+the sum), and fp32 linears whose weight values are all exactly representable in bf16 (a bf16
+checkpoint loaded in fp32, as SmolLM2 is): those read a bf16 copy of the weight, half the bytes,
+with the same products and the same fp32 accumulation -- lossless. Other fp32 weights stay on MKL
+(no measured gain), fp16 on packed_linear (not measured), int4 on torch's packed kernel (nibble
+unpacking does not vectorize in Inductor's C++: 0.8-3 GB/s against 6.8).
 
 Matched only where the activation has exactly one row and a static shape (multi-row prefill and
 batched decode keep the GEMM libraries), on CPU, and only when Inductor compiles the graph: run
 eagerly the expression would materialize an (N, K) product.
 
 Numerics: products and the sum in fp32, as oneDNN and MKL accumulate, one rounding to the
-activation dtype at the end; only the summation order differs from the library kernels.
+activation dtype at the end; only the summation order differs from the library kernels. (For int8
+this is closer to the reference than the ATen kernel, which first rounds fp32 activations to bf16.)
 The bf16 copy is a compile-time constant, like horizontal fusion's fused weights: changing the
 weights after compiling needs `torch._dynamo.reset()` (README, "Weights are constants").
 """
@@ -39,15 +43,30 @@ from .cpu_linear import _weight_tensor
 COMPACT_PREFIX = "_fastflow_bf16_weight"
 
 
+def _row_dot(x: Tensor, weight: Tensor) -> Tensor:
+    """x (..., K) times every row of weight (N, K) -> (..., N), in fp32 (or wider)."""
+    acc = torch.promote_types(x.dtype, torch.float32)
+    # as_strided makes Inductor store x (in fp32) once. Otherwise it inlines x's producer (RMSNorm,
+    # rotary, attention output) into the reduction and recomputes it for every weight row: 1.2x
+    # slower decode step.
+    row = x.to(acc)
+    row = torch.as_strided(row, row.shape, row.stride())
+    return (row.unsqueeze(-2) * weight.to(acc)).sum(-1)
+
+
 def linear_rowwise(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """`F.linear(x, weight, bias)` for a single row of x, as multiply + sum in fp32 (x's dtype out)."""
-    acc = torch.promote_types(x.dtype, torch.float32)
-    # as_strided makes Inductor store x once. Otherwise it inlines x's producer (RMSNorm, rotary,
-    # attention output) into the reduction and recomputes it for every weight row: 1.2x slower step.
-    row = torch.as_strided(x, x.shape, x.stride())
-    y = (row.to(acc).unsqueeze(-2) * weight.to(acc)).sum(-1)
+    y = _row_dot(x, weight)
     if bias is not None:
-        y = y + bias.to(acc)
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype)
+
+
+def int8_linear_rowwise(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """`fastflow.int8_linear` (per-output-channel int8 weights) for a single row of x."""
+    y = _row_dot(x, qweight) * scale.to(torch.promote_types(x.dtype, torch.float32))
+    if bias is not None:
+        y = y + bias.to(y.dtype)
     return y.to(x.dtype)
 
 
@@ -86,6 +105,29 @@ def _drop_unused_constant(gm: fx.GraphModule, node) -> None:
             delattr(gm, target)
 
 
+def _is_int8_linear(node: fx.Node) -> bool:
+    """By name: the op is registered only once ffl_backend's quantization has been imported."""
+    target = node.target if node.op == "call_function" else None
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name == "fastflow::int8_linear"
+
+
+def _replace(gm: fx.GraphModule, node: fx.Node, fn, args) -> None:
+    new = U.copy_meta(U.call_op(gm.graph, fn, args, node), node)
+    node.replace_all_uses_with(new)
+    U.erase_dead(gm.graph, [node])
+
+
+def _rewrite_int8(gm: fx.GraphModule, node: fx.Node) -> bool:
+    x, qweight, scale = node.args[0], node.args[1], node.args[2]
+    qv = U.value(qweight)
+    if not _single_cpu_row(x) or not isinstance(qv, torch.Tensor) or qv.device.type != "cpu":
+        return False
+    _replace(gm, node, int8_linear_rowwise, (x, qweight, scale, U.arg(node, 3, "bias")))
+    return True
+
+
 def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node) -> bool:
     x, w_node, b_node = node.args[0], U.arg(node, 1, "weight"), U.arg(node, 2, "bias")
     w = _weight_tensor(w_node, ctx)
@@ -99,9 +141,7 @@ def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node) -> bool:
         weight_arg = w_node
     else:
         return False
-    new = U.copy_meta(U.call_op(gm.graph, linear_rowwise, (x, weight_arg, b_node), node), node)
-    node.replace_all_uses_with(new)
-    U.erase_dead(gm.graph, [node])
+    _replace(gm, node, linear_rowwise, (x, weight_arg, b_node))
     if weight_arg is not w_node:
         _drop_unused_constant(gm, w_node)
     return True
@@ -110,4 +150,10 @@ def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node) -> bool:
 def decode_gemv_pass(gm: fx.GraphModule, ctx) -> int:
     if not ctx.options.inductor:  # eager would materialize the (N, K) product
         return 0
-    return sum(_rewrite(gm, ctx, node) for node in [n for n in gm.graph.nodes if U.is_op(n, "linear")])
+    count = 0
+    for node in list(gm.graph.nodes):
+        if U.is_op(node, "linear"):
+            count += _rewrite(gm, ctx, node)
+        elif _is_int8_linear(node):
+            count += _rewrite_int8(gm, node)
+    return count

@@ -8,7 +8,7 @@ from torch import nn
 
 from . import calibration
 from .config import QuantConfig, resolve
-from .modules import MODULES, QuantizedLinear
+from .modules import MODULES, Int8Embedding, Int8Linear, QuantizedModule
 
 logger = logging.getLogger("ffl_backend")
 
@@ -20,6 +20,11 @@ STATE_ATTR = "_ffl_quant"
 def select_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Linear]:
     """Plain nn.Linear modules the config selects (already-quantized modules are not nn.Linear)."""
     return {name: m for name, m in model.named_modules() if type(m) is nn.Linear and config.selects(name)}
+
+
+def select_embeddings(model: nn.Module, config: QuantConfig) -> dict[str, nn.Embedding]:
+    """Plain nn.Embedding modules the config selects (the default `skip` excludes them)."""
+    return {name: m for name, m in model.named_modules() if type(m) is nn.Embedding and config.selects(name)}
 
 
 def _check_supported(name: str, linear: nn.Linear, config: QuantConfig) -> None:
@@ -77,14 +82,32 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     if not targets:
         logger.warning("quantize(%s): no nn.Linear layer matched include=%s skip=%s", cfg.scheme, cfg.include, cfg.skip)
     extra = _calibrate(model, targets, cfg, calibration_data)
+    by_weight = {}  # id of a replaced linear's weight -> its quantized module (to share tied tables)
     for name in list(targets):
         linear = targets.pop(name)  # drop our reference so the high-precision weight can be freed
-        _set_module(model, name, MODULES[cfg.scheme].from_linear(linear, cfg, **extra.get(name, {})))
+        by_weight[id(linear.weight)] = MODULES[cfg.scheme].from_linear(linear, cfg, **extra.get(name, {}))
+        _set_module(model, name, by_weight[id(linear.weight)])
         del linear
+    _quantize_embeddings(model, cfg, by_weight, kept)
     state = getattr(model, STATE_ATTR, {"config": cfg.to_dict(), "kept": {}})
     state["kept"].update(kept)
     setattr(model, STATE_ATTR, state)
     return model
+
+
+def _quantize_embeddings(model: nn.Module, cfg: QuantConfig, by_weight: dict, kept: dict) -> None:
+    """Selected nn.Embedding layers become Int8Embedding (int8 scheme only). One tied to an output
+    head that was just quantized reads that head's int8 table, so the pair costs one int8 copy."""
+    for name, emb in select_embeddings(model, cfg).items():
+        if cfg.scheme != "int8":
+            kept[name] = f"embeddings are quantized by the int8 scheme only, not {cfg.scheme}"
+            logger.warning("quantize(%s): keeping embedding %s in high precision (int8 only)", cfg.scheme, name)
+            continue
+        head = by_weight.get(id(emb.weight))
+        if isinstance(head, Int8Linear):
+            _set_module(model, name, Int8Embedding.tied_to(head))
+        else:
+            _set_module(model, name, Int8Embedding.from_embedding(emb))
 
 
 def _calibrate(model, targets: dict, cfg: QuantConfig, calibration_data) -> dict:
@@ -121,5 +144,6 @@ def _dynamic_fallbacks(cfg: QuantConfig, token_absmax: dict) -> set:
     return dynamic
 
 
-def quantized_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+def quantized_modules(model: nn.Module) -> dict[str, QuantizedModule]:
+    """Every quantized layer (linears and int8 embeddings) by module name."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedModule)}

@@ -49,7 +49,7 @@ def _config(args, scheme: str):
     from .config import DEFAULT_SKIP, QuantConfig
 
     name, _, group = scheme.partition("-g")
-    kwargs = {"scheme": name, "skip": DEFAULT_SKIP + tuple(args.skip)}
+    kwargs = {"scheme": name, "skip": (() if args.quantize_embeddings else DEFAULT_SKIP) + tuple(args.skip)}
     if name == "int4":
         kwargs["group_size"] = int(group) if group else args.group_size
     if name == "w8a8":
@@ -82,6 +82,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--calib-tokens", type=int, default=2048)
     parser.add_argument("--skip", nargs="*", default=[],
                         help="more fnmatch patterns of layers to keep in high precision (e.g. from the report)")
+    parser.add_argument("--quantize-embeddings", action="store_true",
+                        help="also quantize the embedding and lm_head (int8: a tied pair shares one int8 table)")
     parser.add_argument("--json", help="write the results here as JSON")
 
 

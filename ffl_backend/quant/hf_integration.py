@@ -28,7 +28,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .api import STATE_ATTR, _set_module, quantize, quantized_modules
-from .modules import build_module
+from .modules import build_module, replaced_type
 
 logger = logging.getLogger("ffl_backend")
 
@@ -43,9 +43,10 @@ class FastflowQuantizationConfig(QuantizationConfigMixin):
     (and optionally the other `QuantConfig` fields as `quant_config`) with `modules` empty."""
 
     def __init__(self, modules: dict | None = None, quant_config: dict | None = None, kept: dict | None = None,
-                 scheme: str | None = None, **kwargs):
+                 scheme: str | None = None, tied: dict | None = None, **kwargs):
         self.quant_method = QUANT_METHOD
         self.modules = dict(modules or {})
+        self.tied = dict(tied or {})  # buffer -> buffer it shares (a tied int8 embedding and lm_head)
         self.quant_config = dict(quant_config or ({"scheme": scheme} if scheme else {}))
         self.kept = dict(kept or {})
         if not self.modules and not self.quant_config:
@@ -53,7 +54,7 @@ class FastflowQuantizationConfig(QuantizationConfigMixin):
 
     def to_dict(self) -> dict:
         return {"quant_method": self.quant_method, "modules": self.modules, "quant_config": self.quant_config,
-                "kept": self.kept}
+                "kept": self.kept, "tied": self.tied}
 
 
 class FastflowHfQuantizer(HfQuantizer):
@@ -75,9 +76,15 @@ class FastflowHfQuantizer(HfQuantizer):
                 current = model.get_submodule(name)
             except AttributeError as exc:
                 raise ValueError(f"quantization_config names {name}, absent from {type(model).__name__}") from exc
-            if not isinstance(current, torch.nn.Linear):
-                raise ValueError(f"quantization_config names {name}, which is not a linear layer")
+            if not isinstance(current, replaced_type(spec)):
+                raise ValueError(f"quantization_config names {name}, which is not a {replaced_type(spec).__name__}")
             _set_module(model, name, build_module(spec, device="meta"))
+        # transformers would re-tie `lm_head.weight` to the embedding; replaced modules have no weight
+        # (their own tied buffers are shared after loading, below).
+        replaced = tuple(f"{name}." for name in self.quantization_config.modules)
+        tied = getattr(model, "all_tied_weights_keys", None) or {}
+        model.all_tied_weights_keys = {k: v for k, v in tied.items()
+                                       if not k.startswith(replaced) and not v.startswith(replaced)}
         return model
 
     def _process_model_after_weight_loading(self, model, **kwargs):
@@ -89,7 +96,10 @@ class FastflowHfQuantizer(HfQuantizer):
             cfg.kept = dict(state["kept"])
             return model
         for module in quantized_modules(model).values():
-            module.finalize()
+            module.finalize()  # may re-align (copy) buffers: tie after it
+        for alias, target in cfg.tied.items():  # both were loaded: keep one copy
+            owner, _, buffer = alias.rpartition(".")
+            setattr(model.get_submodule(owner), buffer, model.get_buffer(target))
         setattr(model, STATE_ATTR, {"config": cfg.quant_config, "kept": cfg.kept})
         return model
 
@@ -114,8 +124,9 @@ def register_with_transformers() -> None:
     logger.debug("registered the %r quantizer with transformers", QUANT_METHOD)
 
 
-def config_entry(model) -> dict:
-    """The config.json `quantization_config` of a model quantized by ffl_backend."""
+def config_entry(model, tied: dict | None = None) -> dict:
+    """The config.json `quantization_config` of a model quantized by ffl_backend; `tied`: buffers
+    saved twice that share one tensor once loaded ({alias: target})."""
     state = getattr(model, STATE_ATTR, {})
     modules = {name: m.spec() for name, m in quantized_modules(model).items()}
-    return FastflowQuantizationConfig(modules, state.get("config"), state.get("kept")).to_dict()
+    return FastflowQuantizationConfig(modules, state.get("config"), state.get("kept"), tied=tied).to_dict()

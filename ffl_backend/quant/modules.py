@@ -17,10 +17,28 @@ from .config import QuantConfig
 ALIGN = 64  # bytes: a cache line, and what torch's CPU allocator gives
 
 
-class QuantizedLinear(nn.Module):
-    """Common shape bookkeeping; subclasses define `scheme`, their buffers and `forward`."""
+class QuantizedModule(nn.Module):
+    """What save/load and finalize need of any quantized module: `scheme`, `spec()`, `finalize()`."""
 
     scheme = ""
+
+    def spec(self) -> dict:
+        raise NotImplementedError
+
+    def finalize(self) -> "QuantizedModule":
+        """Align the buffers and derive the non-persistent CPU forms from the canonical ones.
+
+        Buffers assigned from a file mapping (safetensors' safe_open, torch.load(mmap=True)) sit at
+        arbitrary offsets; `torch._weight_int8pack_mm` (torch 2.13) segfaults on an unaligned weight
+        for M > 1. `load_quantized` reads aligned copies; this guards every other route."""
+        for name, buf in self._buffers.items():
+            if buf is not None and buf.device.type == "cpu" and buf.data_ptr() % ALIGN:
+                self._buffers[name] = buf.clone()
+        return self
+
+
+class QuantizedLinear(QuantizedModule):
+    """Common shape bookkeeping; subclasses define `scheme`, their buffers and `forward`."""
 
     def __init__(self, in_features: int, out_features: int, dtype: torch.dtype, has_bias: bool, device=None):
         super().__init__()
@@ -31,17 +49,6 @@ class QuantizedLinear(nn.Module):
         """Everything `build_module` needs to recreate this module empty (saved in the manifest)."""
         return {"scheme": self.scheme, "in_features": self.in_features, "out_features": self.out_features,
                 "dtype": str(self.dtype).removeprefix("torch."), "has_bias": self.bias is not None}
-
-    def finalize(self) -> "QuantizedLinear":
-        """Align the buffers and derive the non-persistent CPU forms from the canonical ones.
-
-        Buffers assigned from a file mapping (safetensors' safe_open, torch.load(mmap=True)) sit at
-        arbitrary offsets; `torch._weight_int8pack_mm` (torch 2.13) segfaults on an unaligned weight
-        for M > 1. `load_quantized` reads aligned copies; this guards every other route."""
-        for name, buf in self._buffers.items():
-            if buf is not None and buf.device.type == "cpu" and buf.data_ptr() % ALIGN:
-                self._buffers[name] = buf.clone()
-        return self
 
     def dequantized_weight(self) -> Tensor:
         """The (N, K) weight this module multiplies by, in fp32 (for error reports)."""
@@ -187,12 +194,64 @@ class Fp8Linear(QuantizedLinear):
         return torch.ops.fastflow.fp8_linear(x, self.qweight, self.w_scale, self.bias)
 
 
+class Int8Embedding(QuantizedModule):
+    """nn.Embedding over int8 rows with one scale per row: exactly the layout of an int8 lm_head
+    (one scale per output channel = per vocabulary row), so a tied head and embedding share one
+    int8 table (`Int8Embedding.tied_to(head)`)."""
+
+    scheme = "int8_embedding"
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.register_buffer("qweight", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8, device=device))
+        self.register_buffer("scale", torch.empty(num_embeddings, dtype=dtype, device=device))
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding) -> "Int8Embedding":
+        w = embedding.weight.detach()
+        m = cls(w.shape[0], w.shape[1], w.dtype, "meta")
+        m.qweight, m.scale = P.quantize_int8(w)
+        return m.finalize()
+
+    @classmethod
+    def tied_to(cls, head: Int8Linear) -> "Int8Embedding":
+        """An embedding reading `head`'s own buffers (no copy): for tied input/output embeddings."""
+        m = cls(head.out_features, head.in_features, head.dtype, "meta")
+        m.qweight, m.scale = head.qweight, head.scale
+        return m
+
+    def spec(self) -> dict:
+        return {"scheme": self.scheme, "num_embeddings": self.num_embeddings, "embedding_dim": self.embedding_dim,
+                "dtype": str(self.dtype).removeprefix("torch.")}
+
+    def dequantized_weight(self) -> Tensor:
+        return P.dequantize_int8(self.qweight, self.scale)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        flat = ids.reshape(-1)
+        rows = P.dequantize_int8(self.qweight[flat], self.scale[flat], self.dtype)
+        return rows.reshape(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}"
+
+
 MODULES = {cls.scheme: cls for cls in (Int8Linear, Int4Linear, W8A8Linear, Fp8Linear)}
 
 
-def build_module(spec: dict, device="cpu") -> QuantizedLinear:
-    """An empty (uninitialized) module from `QuantizedLinear.spec()`, to load saved buffers into."""
+def replaced_type(spec: dict) -> type:
+    """The high-precision module type a saved quantized module (its `spec()`) replaced."""
+    return nn.Embedding if spec["scheme"] == Int8Embedding.scheme else nn.Linear
+
+
+def build_module(spec: dict, device="cpu") -> QuantizedModule:
+    """An empty (uninitialized) module from a quantized module's `spec()`, to load saved buffers into."""
     spec = dict(spec)
+    if spec["scheme"] == Int8Embedding.scheme:
+        spec.pop("scheme")
+        return Int8Embedding(spec.pop("num_embeddings"), spec.pop("embedding_dim"), getattr(torch, spec.pop("dtype")),
+                             device)
     cls = MODULES[spec.pop("scheme")]
     dtype = getattr(torch, spec.pop("dtype"))
     args = (spec.pop("in_features"), spec.pop("out_features"), dtype, spec.pop("has_bias"), device)

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .api import STATE_ATTR, _set_module, quantized_modules
-from .modules import QuantizedLinear, build_module
+from .modules import QuantizedModule, build_module, replaced_type
 
 
 def register_with_transformers() -> None:
@@ -45,17 +45,18 @@ def save_quantized(model: nn.Module, directory) -> Path:
     folder = Path(directory)
     folder.mkdir(parents=True, exist_ok=True)
     tensors, aliases = _dedup(model.state_dict())
+    tied = _write_tied_tables(model, tensors, aliases)
     state = getattr(model, STATE_ATTR, {})
     manifest = {"format": FORMAT, "version": VERSION, "quant_config": state.get("config"),
                 "kept": state.get("kept", {}), "dtype": str(_dtype(model)).removeprefix("torch."),
                 "modules": {name: m.spec() for name, m in modules.items()}, "aliases": aliases,
-                "num_tensors": len(tensors)}
+                "tied": tied, "num_tensors": len(tensors)}
     save_file(tensors, str(folder / WEIGHTS), metadata={"format": FORMAT, "num_tensors": str(len(tensors))})
     from .hf_integration import config_entry  # imports transformers: on use only
 
     register_with_transformers()
     config = copy.deepcopy(model.config)
-    config.quantization_config = config_entry(model)  # what from_pretrained(folder) needs
+    config.quantization_config = config_entry(model, tied)  # what from_pretrained(folder) needs
     config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
@@ -81,6 +82,24 @@ def _dedup(state_dict: dict) -> tuple[dict, dict]:
     return tensors, aliases
 
 
+def quantized_buffer_names(model: nn.Module) -> set:
+    """State-dict names of every saved buffer of the quantized modules."""
+    return {f"{name}.{b}" for name, m in quantized_modules(model).items() for b, t in m._buffers.items()
+            if t is not None and b not in m._non_persistent_buffers_set}
+
+
+def _write_tied_tables(model: nn.Module, tensors: dict, aliases: dict) -> dict:
+    """Quantized buffers shared by two modules (a tied int8 embedding and lm_head) are written under
+    both names: `from_pretrained` knows nothing of our aliases and must find every buffer it loads.
+    They are returned as {alias: target}, so `load_quantized` reads one copy and shares it."""
+    names = quantized_buffer_names(model)
+    tied = {alias: target for alias, target in aliases.items() if alias in names and target in names}
+    for alias, target in tied.items():
+        del aliases[alias]
+        tensors[alias] = tensors[target].clone()
+    return tied
+
+
 def _read_manifest(folder: Path) -> dict:
     path = folder / MANIFEST
     if not path.exists():
@@ -101,7 +120,7 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "U8": torch.uint8, "BOOL": torch.bool}
 
 
-def _read_weights(folder: Path, device) -> dict:
+def _read_weights(folder: Path, device, skip=()) -> dict:
     """Read model.safetensors into fresh, aligned tensors, one plain read each.
 
     Not `safetensors.safe_open`: its tensors are views of a file mapping at unaligned offsets, which
@@ -123,6 +142,8 @@ def _read_weights(folder: Path, device) -> dict:
         header.pop("__metadata__", None)
         tensors = {}
         for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            if name in skip:
+                continue
             tensors[name] = _read_tensor(fh, path, name, info, 8 + header_len, size).to(device)
     return tensors
 
@@ -162,11 +183,14 @@ def load_quantized(directory, device="cpu") -> nn.Module:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, manifest["dtype"]))
     for name, spec in manifest["modules"].items():
-        if not isinstance(_get(model, name, folder), nn.Linear):
-            raise ValueError(f"{MANIFEST} names {name}, which is not a linear layer of {type(model).__name__}")
+        if not isinstance(_get(model, name, folder), replaced_type(spec)):
+            raise ValueError(f"{MANIFEST} names {name}, which is not a {replaced_type(spec).__name__} of "
+                             f"{type(model).__name__}")
         _set_module(model, name, build_module(spec, device="meta"))
-    tensors = _read_weights(folder, device)
-    tensors.update({alias: tensors[target] for alias, target in manifest["aliases"].items() if target in tensors})
+    tied = manifest.get("tied", {})
+    tensors = _read_weights(folder, device, skip=set(tied))
+    links = {**manifest["aliases"], **tied}
+    tensors.update({alias: tensors[target] for alias, target in links.items() if target in tensors})
     _check_tensors(model, tensors, folder)
     model.load_state_dict(tensors, strict=True, assign=True)
     _materialize_buffers(model, device)
@@ -189,7 +213,7 @@ def _materialize_buffers(model: nn.Module, device) -> None:
     """Non-persistent buffers (rotary inv_freq) are not saved: allocate and recompute them with the
     model's own initializer. Anything else left on meta is an error, not a silent garbage tensor."""
     for name, module in model.named_modules():
-        if isinstance(module, QuantizedLinear):
+        if isinstance(module, QuantizedModule):
             continue
         if any(b is not None and b.is_meta for b in module.buffers(recurse=False)):
             module.to_empty(device=device, recurse=False)

@@ -1,5 +1,6 @@
 """Backend behaviour that does not need a model: fallback, options, recompile reporting."""
 import logging
+import os
 
 import pytest
 import torch
@@ -97,3 +98,27 @@ def test_op_counts_include_overload_packet_calls():
 
     _compile(f)(torch.randn(2, 8), torch.randn(8))
     assert ffl_backend.last_report().ops["rms_norm"] == 2
+
+
+def test_inductor_cache_key_follows_ffl_backend_sources(monkeypatch):
+    """A changed ffl_backend source must miss Inductor's on-disk FX graph cache: on CPU our ops are
+    traced into the graph, so a stale hit would run an old op body."""
+    from torch._dynamo.utils import counters
+
+    from ffl_backend import cache_key
+
+    lin = torch.nn.Linear(24, 8).eval()
+    x = torch.randn(1, 24)
+
+    def compile_once():
+        torch._dynamo.reset()
+        counters.clear()
+        with torch.no_grad():
+            torch.compile(lin, backend="fastflow")(x)
+        return dict(counters["inductor"])
+
+    compile_once()
+    assert compile_once().get("fxgraph_cache_hit") == 1  # same sources: served from the cache
+    new_version = os.urandom(16)  # never seen before, by this run or any earlier one
+    monkeypatch.setattr(cache_key, "source_hash", lambda: new_version)
+    assert compile_once().get("fxgraph_cache_miss") == 1

@@ -61,6 +61,22 @@ def test_multi_row_and_inexact_fp32_and_eager_graphs_are_left_alone():
         assert ffl_backend.last_report().matches["decode_gemv"] == 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,expected", [(1, 1), (3, 0)])
+def test_int8_linear_single_row_is_rewritten_and_matches_reference(dtype, rows, expected):
+    from ffl_backend.kernels.quant_linear import int8_linear_ref
+    from ffl_backend.quant.config import QuantConfig
+    from ffl_backend.quant.modules import Int8Linear
+
+    q = Int8Linear.from_linear(_linear_model(77, 123, dtype, True), QuantConfig("int8")).eval()
+    x = torch.randn(1, rows, 123, dtype=dtype)
+    with torch.no_grad():
+        out = _compiled(q)(x)
+    assert ffl_backend.last_report().matches["decode_gemv"] == expected
+    if expected:  # the multi-row graph keeps the ATen kernel, held to the reference elsewhere
+        assert_matches_reference(out, int8_linear_ref, (x, q.qweight, q.scale, q.bias), interpreted=False)
+
+
 def test_bf16_exact_detects_low_mantissa_bits():
     w = torch.randn(32, 16)
     assert not is_bf16_exact(w)

@@ -50,6 +50,14 @@ def test_int8_cpu_path_matches_reference(dtype, shape):
     assert_bf16_path_close(out, K.int8_linear_ref, (x, q, s, b))
 
 
+@pytest.mark.parametrize("shape", [(1, 123, 77), (3, 123, 77), (3, 136, 40)])
+def test_int8_odd_in_features_take_the_reference_path(shape):
+    """K not a multiple of 16 crashes torch's int8 kernel (a segfault for M > 1): never called there."""
+    x, w, b = _inputs(shape, torch.bfloat16)
+    q, s = P.quantize_int8(w)
+    torch.testing.assert_close(torch.ops.fastflow.int8_linear(x, q, s, b), K.int8_linear_ref(x, q, s, b))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("group", (32, 64))
