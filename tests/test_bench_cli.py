@@ -137,3 +137,27 @@ def test_outputs_from_a_synthetic_grid(tmp_path):
         rows = list(csv.DictReader(fh))
     assert tuple(rows[0]) == CSV_COLUMNS and rows[1]["error"] == "boom"
     assert "Skipped (because): float32 int8 fastflow b1 p16." in (tmp_path / "g.md").read_text()
+
+
+def test_weight_bytes_counts_a_tied_table_once_and_skips_lookup_only_embeddings():
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    import ffl_backend
+    from ffl_backend.bench.worker import weight_bytes
+    from tiny_models import COMMON
+
+    def nbytes(tensors):
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    untied = tiny_model("llama")  # the embedding is only looked up: not read per step
+    emb = untied.get_input_embeddings().weight
+    assert weight_bytes(untied) == nbytes(untied.parameters()) - nbytes([emb])
+    torch.manual_seed(0)
+    tied = AutoModelForCausalLM.from_config(LlamaConfig(num_key_value_heads=2, tie_word_embeddings=True, **COMMON))
+    assert weight_bytes(tied) == nbytes(tied.parameters())  # parameters() yields the tied table once
+    before = weight_bytes(tied)
+    ffl_backend.quantize(tied, "int8-all")  # one shared int8 table read by the head
+    assert tied.get_input_embeddings().qweight.data_ptr() == tied.lm_head.qweight.data_ptr()
+    unique = {t.data_ptr(): t for t in tied.state_dict().values()}
+    assert weight_bytes(tied) == nbytes(unique.values()) < before / 3  # fp32 -> int8 + scales

@@ -71,16 +71,18 @@ def time_generate(model, ids, new_tokens: int) -> dict:
 
 def weight_bytes(model) -> int:
     """Bytes of weights one decode step reads: parameters and persistent buffers (quantized weights,
-    scales), each storage counted once. The input embedding is a row lookup, not a full read, so it
-    is left out unless the output head is tied to it and reads all of it. CPU re-layouts of the
-    same weights (packed int4, oneDNN bf16) are the same size and are not counted twice."""
-    emb = model.get_input_embeddings().weight
-    head_weight = getattr(model.get_output_embeddings(), "weight", None)  # a quantized head has none
-    tied = head_weight is not None and head_weight.data_ptr() == emb.data_ptr()
+    scales), each storage counted once. The input embedding is a row lookup, not a full read, so its
+    tensors are left out unless the output head shares them (tied) and reads all of it. CPU
+    re-layouts of the same weights (packed int4, oneDNN bf16) are the same size and are not
+    counted twice."""
+    def pointers(module):
+        return {t.data_ptr() for t in module.state_dict().values()} if module is not None else set()
+
+    lookup_only = pointers(model.get_input_embeddings()) - pointers(model.get_output_embeddings())
     seen, total = set(), 0
     for t in model.state_dict().values():
         ptr = t.data_ptr()
-        if ptr in seen or (ptr == emb.data_ptr() and not tied):
+        if ptr in seen or ptr in lookup_only:
             continue
         seen.add(ptr)
         total += t.numel() * t.element_size()

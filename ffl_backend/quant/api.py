@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from . import calibration
-from .config import QuantConfig, resolve
+from .config import QuantConfig, resolve, resolve_steps
 from .modules import MODULES, Int8Embedding, Int8Linear, QuantizedModule
 
 logger = logging.getLogger("ffl_backend")
@@ -66,12 +66,19 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     """Quantize `model`'s selected nn.Linear layers in place and return `model`.
 
-    config: a QuantConfig, its dict, or a scheme name ("int8", "int4", "w8a8", "fp8").
+    config: a QuantConfig, its dict, a scheme name ("int8", "int4", "w8a8", "fp8"), a preset name
+    ("int8-all", "int4-all": embedding and lm_head included) or a list of these, applied in order.
     calibration_data: iterable of input_ids tensors ((1, L) or (B, L)); required by w8a8 with
     `static=True` or `smoothquant_alpha` set. Layers that cannot take the scheme (int4 group size not
     dividing in_features) stay in high precision with a logged warning and are listed in
     `model._ffl_quant["kept"]`."""
-    cfg = resolve(config)
+    steps = resolve_steps(config)
+    if len(steps) > 1:
+        for step in steps:
+            quantize(model, step, calibration_data=calibration_data)
+        getattr(model, STATE_ATTR)["config"] = [step.to_dict() for step in steps]
+        return model
+    cfg = steps[0]
     targets = select_linears(model, cfg)
     for name, linear in targets.items():
         _check_supported(name, linear, cfg)

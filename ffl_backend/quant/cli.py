@@ -46,8 +46,10 @@ def _load(args):
 
 
 def _config(args, scheme: str):
-    from .config import DEFAULT_SKIP, QuantConfig
+    from .config import DEFAULT_SKIP, PRESETS, QuantConfig
 
+    if scheme in PRESETS:  # "int8-all", "int4-all": used as defined
+        return scheme
     name, _, group = scheme.partition("-g")
     kwargs = {"scheme": name, "skip": (() if args.quantize_embeddings else DEFAULT_SKIP) + tuple(args.skip)}
     if name == "int4":
@@ -91,7 +93,7 @@ def eval_ppl_main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Perplexity of a causal LM, high precision vs quantized")
     _common(parser)
     parser.add_argument("--schemes", nargs="+", default=["int8"],
-                        help="int8, int4 (or int4-g32/-g64/-g128), w8a8, fp8")
+                        help="int8, int4 (or int4-g32/-g64/-g128), w8a8, fp8, or a preset: int8-all, int4-all")
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--window", type=int, default=WINDOW)
     args = parser.parse_args(argv)

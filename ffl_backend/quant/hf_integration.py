@@ -47,7 +47,9 @@ class FastflowQuantizationConfig(QuantizationConfigMixin):
         self.quant_method = QUANT_METHOD
         self.modules = dict(modules or {})
         self.tied = dict(tied or {})  # buffer -> buffer it shares (a tied int8 embedding and lm_head)
-        self.quant_config = dict(quant_config or ({"scheme": scheme} if scheme else {}))
+        # a dict (one QuantConfig) or, for a multi-step preset such as "int4-all", a list of them
+        quant_config = quant_config or ({"scheme": scheme} if scheme else {})
+        self.quant_config = list(quant_config) if isinstance(quant_config, (list, tuple)) else dict(quant_config)
         self.kept = dict(kept or {})
         if not self.modules and not self.quant_config:
             raise ValueError("FastflowQuantizationConfig needs either saved `modules` or a `scheme` to quantize with")

@@ -77,6 +77,23 @@ def test_save_load_and_from_pretrained_keep_the_table_shared(tmp_path):
             torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
 
 
+def test_int4_all_preset_keeps_int4_linears_and_an_int8_head_shared_with_the_embedding(tmp_path):
+    from ffl_backend.quant.modules import Int4Linear
+
+    model = ffl_backend.quantize(_tied_llama(torch.bfloat16), "int4-all")
+    assert _shares_table(model)
+    assert isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
+    assert [c["scheme"] for c in model._ffl_quant["config"]] == ["int4", "int8"]
+    ids = torch.randint(3, 128, (1, 9))
+    with torch.no_grad():
+        expected = model(ids).logits
+    save_quantized(model, tmp_path)
+    for loaded in (load_quantized(tmp_path), _from_pretrained(tmp_path)):
+        assert _shares_table(loaded) and isinstance(loaded.model.layers[0].mlp.down_proj, Int4Linear)
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, expected, rtol=0, atol=0)
+
+
 def _from_pretrained(folder):
     register_with_transformers()
     return AutoModelForCausalLM.from_pretrained(folder).eval()
