@@ -105,14 +105,6 @@ def _drop_unused_constant(gm: fx.GraphModule, node) -> None:
             delattr(gm, target)
 
 
-def _is_int8_linear(node: fx.Node) -> bool:
-    """By name: the op is registered only once ffl_backend's quantization has been imported."""
-    target = node.target if node.op == "call_function" else None
-    if isinstance(target, torch._ops.OpOverload):
-        target = target.overloadpacket
-    return isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name == "fastflow::int8_linear"
-
-
 def _replace(gm: fx.GraphModule, node: fx.Node, fn, args) -> None:
     new = U.copy_meta(U.call_op(gm.graph, fn, args, node), node)
     node.replace_all_uses_with(new)
@@ -154,6 +146,6 @@ def decode_gemv_pass(gm: fx.GraphModule, ctx) -> int:
     for node in list(gm.graph.nodes):
         if U.is_op(node, "linear"):
             count += _rewrite(gm, ctx, node)
-        elif _is_int8_linear(node):
+        elif U.fastflow_op_name(node) == "int8_linear":
             count += _rewrite_int8(gm, node)
     return count

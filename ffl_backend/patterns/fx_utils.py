@@ -139,3 +139,14 @@ def attach_constant(gm: fx.GraphModule, tensor, prefix: str) -> str:
     if hasattr(gm, "_param_name_to_source"):
         gm._param_name_to_source[name] = ConstantSource(name)
     return name
+
+
+def fastflow_op_name(node: fx.Node) -> str | None:
+    """"rms_norm" for a call to `torch.ops.fastflow.rms_norm` (overload or packet), else None.
+    By name: some ops (the quantized linears) register only once their module is imported."""
+    target = node.target if node.op == "call_function" else None
+    if isinstance(target, torch._ops.OpOverload):
+        target = target.overloadpacket
+    if isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("fastflow::"):
+        return target._qualified_op_name.split("::", 1)[1]
+    return None

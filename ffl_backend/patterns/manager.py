@@ -96,16 +96,9 @@ def _snapshot(graph: fx.Graph) -> fx.Graph:
 def fastflow_op_counts(gm: fx.GraphModule) -> Counter:
     """fastflow op name -> number of call sites in `gm` (overloads and overload packets alike:
     modules may call `torch.ops.fastflow.x(...)` as well as `.default`)."""
-    counts = Counter()
-    for node in gm.graph.nodes:
-        target = node.target
-        if node.op != "call_function":
-            continue
-        if isinstance(target, torch._ops.OpOverload):
-            target = target.overloadpacket
-        if isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("fastflow::"):
-            counts[target._qualified_op_name.split("::", 1)[1]] += 1
-    return counts
+    from .fx_utils import fastflow_op_name
+
+    return Counter(name for node in gm.graph.nodes if (name := fastflow_op_name(node)))
 
 
 # Ops that every matched family removes: any left in a final graph is math fastflow did not fuse.
