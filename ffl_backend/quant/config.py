@@ -14,11 +14,11 @@ DEFAULT_SKIP = ("lm_head", "*embed*", "*wte", "*wpe")
 # lm_head included (a tied pair shares one int8 table). "int4-all": int4 linears in groups of 32 (the
 # group of llama.cpp's Q4 formats), then the embedding and lm_head in int8. On SmolLM2 the int8 head
 # adds ~0.1% perplexity and ~15-20% decode speed.
-EMBEDDINGS_AND_HEAD = ("lm_head", "*embed*", "*wte", "*wpe")
 PRESETS = {
     "int8-all": [{"scheme": "int8", "skip": ()}],
-    "int4-all": [{"scheme": "int4", "group_size": 32}, {"scheme": "int8", "include": EMBEDDINGS_AND_HEAD, "skip": ()}],
+    "int4-all": [{"scheme": "int4", "group_size": 32}, {"scheme": "int8", "include": DEFAULT_SKIP, "skip": ()}],
 }
+
 
 @dataclasses.dataclass(frozen=True)
 class QuantConfig:

@@ -82,7 +82,7 @@ def _dedup(state_dict: dict) -> tuple[dict, dict]:
     return tensors, aliases
 
 
-def quantized_buffer_names(model: nn.Module) -> set:
+def _quantized_buffer_names(model: nn.Module) -> set:
     """State-dict names of every saved buffer of the quantized modules."""
     return {f"{name}.{b}" for name, m in quantized_modules(model).items() for b, t in m._buffers.items()
             if t is not None and b not in m._non_persistent_buffers_set}
@@ -92,7 +92,7 @@ def _write_tied_tables(model: nn.Module, tensors: dict, aliases: dict) -> dict:
     """Quantized buffers shared by two modules (a tied int8 embedding and lm_head) are written under
     both names: `from_pretrained` knows nothing of our aliases and must find every buffer it loads.
     They are returned as {alias: target}, so `load_quantized` reads one copy and shares it."""
-    names = quantized_buffer_names(model)
+    names = _quantized_buffer_names(model)
     tied = {alias: target for alias, target in aliases.items() if alias in names and target in names}
     for alias, target in tied.items():
         del aliases[alias]
