@@ -4,6 +4,7 @@ the compiled graph's own Python wrapper, Dynamo's guard check and everything els
 
     python benchmarks/profile_decode.py --dtype float32 --backend inductor
     python benchmarks/profile_decode.py --dtype float32 --backend fastflow [--options '{"bf16_exact_weights": false}']
+    python benchmarks/profile_decode.py --dtype bfloat16 --backend fastflow --quant int4-all   (quantized first)
     python benchmarks/profile_decode.py ... --out benchmarks/results/profile_decode_cpu.json   (appends a row)
 
 Inductor's C++ kernels are profiled by name (`cpp.enable_kernel_profile`); a fused kernel that
@@ -39,7 +40,7 @@ def _group(name: str) -> str:
     return "other (HF generate, small ops)"
 
 
-def profile(dtype: str, backend: str, options: dict | None, new_tokens: int) -> dict:
+def profile(dtype: str, backend: str, options: dict | None, new_tokens: int, quant: str = "none") -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ffl_backend.bench.worker import prompt_ids, time_generate
@@ -48,6 +49,9 @@ def profile(dtype: str, backend: str, options: dict | None, new_tokens: int) -> 
 
     path = str(smollm2_path())
     model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
+    if quant != "none":
+        from ffl_backend.quant import quantize
+        quantize(model, quant)
     ids = prompt_ids(AutoTokenizer.from_pretrained(path), 16)
     opts = {**(options or {}), "inductor_config": {"cpp.enable_kernel_profile": True}}
     if backend == "inductor":
@@ -63,7 +67,7 @@ def profile(dtype: str, backend: str, options: dict | None, new_tokens: int) -> 
     groups: dict = {}
     for event in prof.key_averages():
         groups[_group(event.key)] = groups.get(_group(event.key), 0.0) + event.self_cpu_time_total / 1e3 / steps
-    return {"dtype": dtype, "backend": backend, "options": options or {},
+    return {"dtype": dtype, "quant": quant, "backend": backend, "options": options or {},
             "decode_tok_s": round(statistics.median(rates), 1), "step_ms": round(1e3 / statistics.median(rates), 2),
             "profiled_ms_per_step": {k: round(v, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}}
 
@@ -73,10 +77,11 @@ def main() -> int:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--backend", default="fastflow", choices=["eager", "inductor", "fastflow"])
     p.add_argument("--options", type=json.loads, default=None, help="fastflow options as JSON")
+    p.add_argument("--quant", default="none", help="scheme or preset (int8, int8-all, int4-all, ...)")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--out", help="JSON file to append this row to")
     args = p.parse_args()
-    row = profile(args.dtype, args.backend, args.options, args.new_tokens)
+    row = profile(args.dtype, args.backend, args.options, args.new_tokens, args.quant)
     row["command"] = "python " + " ".join(sys.argv)
     row["environment"] = environment()
     print(json.dumps(row, indent=1))

@@ -112,7 +112,7 @@ def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],
     return _finish(torch._weight_int8pack_mm(x2d, qweight, cpu_scale), x, bias)
 
 
-def _int4_cpu(x: Tensor, packed: Tensor, scale_zeros: Tensor, group_size: int,
+def int4_cpu_linear(x: Tensor, packed: Tensor, scale_zeros: Tensor, group_size: int,
               bias: Optional[Tensor]) -> Tensor:
     x2d = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     y = torch._weight_int4pack_mm_for_cpu(x2d, packed, group_size, scale_zeros.to(torch.bfloat16))
@@ -158,7 +158,7 @@ def int4_linear(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, group_s
         y = int4_linear_triton(rows_2d(x), qweight, scale, zero, group_size, bias)
         return y.reshape(*x.shape[:-1], qweight.shape[0])
     if cpu_packed is not None and cpu_scale_zeros is not None:
-        return _int4_cpu(x, cpu_packed, cpu_scale_zeros, group_size, bias)
+        return int4_cpu_linear(x, cpu_packed, cpu_scale_zeros, group_size, bias)
     return int4_linear_ref(x, qweight, scale, zero, group_size, bias)
 
 

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from . import fx_utils as U
+from .int4_siblings import fuse_int4_siblings
 
 FUSED_PREFIX = "_fastflow_fused_weight"
 
@@ -61,7 +62,12 @@ def _fuse_tensors(tensors):
 
 
 def horizontal_pass(gm: fx.GraphModule, ctx) -> int:
-    """Fuse every group of >= 2 parameter linears reading the same input (same dtype, bias-ness)."""
+    """Fuse every group of >= 2 parameter linears reading the same input (same dtype, bias-ness),
+    and likewise CPU int4 linears (int4_siblings)."""
+    return _fuse_dense(gm, ctx) + fuse_int4_siblings(gm, ctx)
+
+
+def _fuse_dense(gm: fx.GraphModule, ctx) -> int:
     graph = gm.graph
     groups = defaultdict(list)
     for node in graph.nodes:

@@ -13,7 +13,7 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from . import activations, cpu_linear, decode_gemv, horizontal, norms, rotary
+from . import activations, cpu_linear, decode_attention, decode_gemv, horizontal, norms, rotary
 
 logger = logging.getLogger("ffl_backend")
 
@@ -25,6 +25,7 @@ PASSES = {
     "gated_act": activations.gated_act_pass,
     "gelu": activations.gelu_pass,
     "rotary": rotary.rotary_pass,
+    "decode_attention": decode_attention.decode_attention_pass,
     "decode_gemv": decode_gemv.decode_gemv_pass,
     "packed_linear": cpu_linear.packed_linear_pass,
 }

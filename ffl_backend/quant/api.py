@@ -69,9 +69,9 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     config: a QuantConfig, its dict, a scheme name ("int8", "int4", "w8a8", "fp8"), a preset name
     ("int8-all", "int4-all": embedding and lm_head included) or a list of these, applied in order.
     calibration_data: iterable of input_ids tensors ((1, L) or (B, L)); required by w8a8 with
-    `static=True` or `smoothquant_alpha` set. Layers that cannot take the scheme (int4 group size not
-    dividing in_features) stay in high precision with a logged warning and are listed in
-    `model._ffl_quant["kept"]`."""
+    `static=True` or `smoothquant_alpha` set, and by algorithm="gptq". Layers that cannot take the
+    scheme (int4 group size not dividing in_features) stay in high precision with a logged warning
+    and are listed in `model._ffl_quant["kept"]`."""
     steps = resolve_steps(config)
     if len(steps) > 1:
         for step in steps:
@@ -88,7 +88,7 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     _warn_kept(cfg, kept)
     if not targets:
         logger.warning("quantize(%s): no nn.Linear layer matched include=%s skip=%s", cfg.scheme, cfg.include, cfg.skip)
-    extra = _calibrate(model, targets, cfg, calibration_data)
+    extra = _calibrate(model, targets, cfg, calibration_data, kept)
     by_weight = {}  # id of a replaced linear's weight -> its quantized module (to share tied tables)
     for name in list(targets):
         linear = targets.pop(name)  # drop our reference so the high-precision weight can be freed
@@ -117,23 +117,51 @@ def _quantize_embeddings(model: nn.Module, cfg: QuantConfig, by_weight: dict, ke
             _set_module(model, name, Int8Embedding.from_embedding(emb))
 
 
-def _calibrate(model, targets: dict, cfg: QuantConfig, calibration_data) -> dict:
-    """{name: extra from_linear kwargs} from calibration (w8a8 static ranges, SmoothQuant)."""
+def _calibrate(model, targets: dict, cfg: QuantConfig, calibration_data, kept: dict | None = None) -> dict:
+    """{name: extra from_linear kwargs} from calibration (w8a8 static ranges, SmoothQuant, GPTQ).
+    Layers that the w8a8 error search keeps in high precision move from `targets` to `kept`."""
+    if cfg.algorithm == "gptq":
+        return _gptq(model, targets, cfg, calibration_data)
     if cfg.scheme != "w8a8":
         return {}
     if not cfg.needs_calibration:
         return {}
     if calibration_data is None:
-        raise ValueError("w8a8 with static=True or smoothquant_alpha needs calibration_data: an iterable of "
+        raise ValueError("w8a8 with static=True, smoothquant_alpha or min_output_sqnr needs calibration_data: an iterable of "
                          "input_ids tensors ((1, L) or (B, L)) from text like the model's real inputs")
     absmax, token_absmax, groups = calibration.collect(model, list(targets), calibration_data)
     missing = [n for n in targets if n not in absmax]
     if missing:
         raise RuntimeError(f"calibration never reached {missing[:3]}{'...' if len(missing) > 3 else ''}")
-    own = calibration.smooth(targets, groups, absmax, cfg.smoothquant_alpha) if cfg.smoothquant_alpha is not None else {}
     dynamic = _dynamic_fallbacks(cfg, token_absmax)
-    return {n: {"x_absmax": None if n in dynamic else absmax[n].max().item(), "smooth": own.get(n)}
+    plan = None
+    if cfg.searches:
+        from .w8a8_search import search
+
+        plan = search(model, targets, groups, dynamic, cfg, calibration_data)
+    alphas = plan.alphas if plan is not None else cfg.smoothquant_alpha
+    own = calibration.smooth(targets, groups, absmax, alphas, keep=plan.kept if plan else ()) if alphas is not None else {}
+    if plan is not None:
+        for name, reason in plan.kept.items():
+            del targets[name]
+            if kept is not None:
+                kept[name] = reason
+    clips = plan.clips if plan is not None else {}
+    return {n: {"x_absmax": clips.get(n, 1.0) * absmax[n].max().item() if cfg.static and n not in dynamic else None,
+                "smooth": own.get(n)}
             for n in targets}
+
+
+def _gptq(model, targets: dict, cfg: QuantConfig, calibration_data) -> dict:
+    """{name: {"quantized": GPTQ codes and scales}} (quant/gptq.py), from one calibration pass."""
+    if calibration_data is None:
+        raise ValueError(f"{cfg.scheme} with algorithm='gptq' needs calibration_data: an iterable of input_ids "
+                         "tensors ((1, L) or (B, L)) from text like the model's real inputs")
+    if not targets:
+        return {}
+    from .gptq import quantize_layers
+
+    return quantize_layers(model, targets, cfg, calibration_data)
 
 
 def _dynamic_fallbacks(cfg: QuantConfig, token_absmax: dict) -> set:

@@ -82,7 +82,7 @@ def collect(model: nn.Module, names: list[str], calibration_data) -> tuple[dict,
     modules = dict(model.named_modules())
     absmax: dict[str, Tensor] = {}
     token_absmax: dict[str, list] = {n: [] for n in names}
-    first_batch = {"norm_out": [], "inputs": {}}
+    first_batch = {"norm_out": [], "inputs": {}, "other_inputs": []}
 
     def linear_hook(name):
         def hook(_module, args):
@@ -95,12 +95,18 @@ def collect(model: nn.Module, names: list[str], calibration_data) -> tuple[dict,
                 first_batch["inputs"].setdefault(name, x)
         return hook
 
+    def other_hook(_module, args):  # a linear not being quantized: its input must not be smoothed
+        if first_batch is not None and args and isinstance(args[0], Tensor):
+            first_batch["other_inputs"].append(args[0])
+
     def norm_hook(module, _args, out):
         if first_batch is not None and isinstance(out, Tensor):
             first_batch["norm_out"].append((module, out))
 
     handles = [modules[n].register_forward_pre_hook(linear_hook(n)) for n in names]
     handles += [m.register_forward_hook(norm_hook) for m in modules.values() if _is_norm(m)]
+    handles += [m.register_forward_pre_hook(other_hook) for n, m in modules.items()
+                if n not in names and (isinstance(m, nn.Linear) or hasattr(m, "in_features"))]
     groups = []
     try:
         for i, ids in enumerate(as_batches(calibration_data)):
@@ -127,9 +133,13 @@ def _groups(first_batch) -> list[InputGroup]:
     for name, x in first_batch["inputs"].items():
         key = (x.data_ptr(), tuple(x.shape))
         by_ptr.setdefault(key, InputGroup([])).names.append(name)
+    # A norm output also read by a linear outside the targets (say q/k kept in high precision while
+    # v is quantized) cannot take 1/s: that reader would see X / s with its weight unscaled.
+    shared = {(x.data_ptr(), tuple(x.shape)) for x in first_batch["other_inputs"]}
     for module, out in first_batch["norm_out"]:
-        group = by_ptr.get((out.data_ptr(), tuple(out.shape)))
-        if group is not None and _linear_in_weight(module, out.shape[-1]):
+        key = (out.data_ptr(), tuple(out.shape))
+        group = by_ptr.get(key)
+        if group is not None and key not in shared and _linear_in_weight(module, out.shape[-1]):
             group.norm = module
     return list(by_ptr.values())
 
@@ -138,18 +148,33 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def smoothing_factors(act_absmax: Tensor, weights: list[Tensor], alpha: float) -> Tensor:
+    """s (K,) fp32 for one input group: max|X_j|^alpha / max_i max|W_ij|^(1 - alpha) over its weights."""
+    act = act_absmax.clamp_min(SMOOTH_MIN)
+    w_max = torch.stack([w.detach().abs().amax(dim=0).float() for w in weights]).amax(dim=0)
+    return (act.pow(alpha) / w_max.clamp_min(SMOOTH_MIN).pow(1 - alpha)).clamp_min(SMOOTH_MIN)
+
+
 @torch.no_grad()
 def smooth(modules: dict[str, nn.Linear], groups: list[InputGroup], absmax: dict[str, Tensor],
-           alpha: float) -> dict[str, Tensor]:
+           alpha, keep=()) -> dict[str, Tensor]:
     """Apply SmoothQuant in place: weights *= s, norms /= s where foldable. Updates `absmax` to the
-    smoothed inputs' ranges. Returns {name: 1/s} for the linears that must scale their own input."""
+    smoothed inputs' ranges. Returns {name: 1/s} for the linears that must scale their own input.
+
+    alpha: one float for every group, or {first name of a group: alpha or None (not smoothed)}.
+    keep: linears staying in high precision. In a folded group they take W * s like the rest (their
+    input is divided by s too); in an unfolded group their input is not scaled, so neither are they."""
     own_smooth = {}
     for group in groups:
-        weights = [modules[n].weight for n in group.names]
-        act = absmax[group.names[0]].clamp_min(SMOOTH_MIN)
-        w_max = torch.stack([w.detach().abs().amax(dim=0).float() for w in weights]).amax(dim=0)
-        s = (act.pow(alpha) / w_max.clamp_min(SMOOTH_MIN).pow(1 - alpha)).clamp_min(SMOOTH_MIN)
-        for name, w in zip(group.names, weights):
+        a = alpha.get(group.names[0]) if isinstance(alpha, dict) else alpha
+        if a is None:
+            continue
+        scaled = group.names if group.norm is not None else [n for n in group.names if n not in keep]
+        if not scaled:
+            continue
+        s = smoothing_factors(absmax[group.names[0]], [modules[n].weight for n in group.names], a)
+        for name in scaled:
+            w = modules[name].weight
             w.mul_(s.to(w.dtype))
             absmax[name] = absmax[name] / s
         if group.norm is not None:
@@ -157,5 +182,5 @@ def smooth(modules: dict[str, nn.Linear], groups: list[InputGroup], absmax: dict
             if getattr(group.norm, "bias", None) is not None:
                 group.norm.bias.div_(s.to(group.norm.bias.dtype))
         else:
-            own_smooth.update({name: 1.0 / s for name in group.names})
+            own_smooth.update({name: 1.0 / s for name in scaled})
     return own_smooth

@@ -5,6 +5,9 @@ SQNR on that layer's real inputs, captured from the calibration data, against a 
 original layer. Sorted worst first, with the skip list that meets a target output SQNR: keeping
 exactly the layers below the target in high precision. Each layer is judged alone, on unsmoothed
 inputs (SmoothQuant changes the layer's neighbours, so it is left out of a per-layer view).
+With a w8a8 config that searches (smoothquant_alpha="auto", clip_search, min_output_sqnr), each
+layer also gets the output SQNR that quantize's search measures (quant/w8a8_search.py: smoothed as
+chosen, held out, token-balanced) and the layers min_output_sqnr would keep.
 The model is not modified.
 """
 from __future__ import annotations
@@ -68,20 +71,41 @@ def report(model: nn.Module, config, calibration_data, *, target_sqnr: float = D
     inputs = capture_inputs(model, list(targets), calibration_data, max_tokens)
     layers = [_layer_errors(n, m, inputs[n], cfg) for n, m in targets.items() if n in inputs]
     layers.sort(key=lambda r: r["output_sqnr_db"])
-    return {"config": cfg.to_dict(), "target_sqnr_db": target_sqnr, "layers": layers, "kept": kept,
-            "skip_for_target": [r["name"] for r in layers if r["output_sqnr_db"] < target_sqnr]}
+    rep = {"config": cfg.to_dict(), "target_sqnr_db": target_sqnr, "layers": layers, "kept": kept,
+           "skip_for_target": [r["name"] for r in layers if r["output_sqnr_db"] < target_sqnr]}
+    if cfg.scheme == "w8a8" and cfg.searches:
+        plan = _search(model, targets, cfg, calibration_data)
+        for r in layers:
+            r["searched_sqnr_db"] = round(plan.sqnr[r["name"]], 2)
+        rep["kept_by_min_output_sqnr"] = plan.kept
+    return rep
+
+
+def _search(model: nn.Module, targets: dict, cfg, calibration_data):
+    """quantize's w8a8 search Plan for `targets`, without applying it."""
+    from .api import _dynamic_fallbacks
+    from .calibration import collect
+    from .w8a8_search import search
+
+    _, token_absmax, groups = collect(model, list(targets), calibration_data)
+    return search(model, targets, groups, _dynamic_fallbacks(cfg, token_absmax), cfg, calibration_data)
 
 
 def format_table(rep: dict, limit: int | None = None) -> str:
     rows = rep["layers"][:limit] if limit else rep["layers"]
     width = max([len(r["name"]) for r in rows] + [5])
-    lines = [f"{'layer':<{width}}  {'shape':>11}  {'weight dB':>9}  {'output dB':>9}"]
+    searched = bool(rows) and "searched_sqnr_db" in rows[0]
+    lines = [f"{'layer':<{width}}  {'shape':>11}  {'weight dB':>9}  {'output dB':>9}"
+             + ("  searched dB" if searched else "")]
     for r in rows:
         shape = f"{r['out_features']}x{r['in_features']}"
-        lines.append(f"{r['name']:<{width}}  {shape:>11}  {r['weight_sqnr_db']:>9.2f}  {r['output_sqnr_db']:>9.2f}")
+        lines.append(f"{r['name']:<{width}}  {shape:>11}  {r['weight_sqnr_db']:>9.2f}  {r['output_sqnr_db']:>9.2f}"
+                     + (f"  {r['searched_sqnr_db']:>11.2f}" if searched else ""))
     skip = rep["skip_for_target"]
     lines.append(f"{len(skip)} of {len(rep['layers'])} layers below {rep['target_sqnr_db']} dB"
                  + (f"; skip={json.dumps(skip)}" if skip else ""))
+    for name, reason in rep.get("kept_by_min_output_sqnr", {}).items():
+        lines.append(f"min_output_sqnr keeps in high precision: {name} ({reason})")
     for name, reason in rep["kept"].items():
         lines.append(f"kept in high precision: {name} ({reason})")
     return "\n".join(lines)

@@ -72,10 +72,11 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("cpu_scale", None, persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: QuantConfig) -> "Int8Linear":
+    def from_linear(cls, linear: nn.Linear, config: QuantConfig, quantized=None) -> "Int8Linear":
+        """quantized: precomputed (q int8 (N, K), scale (N,)), e.g. from GPTQ; default round-to-nearest."""
         w = linear.weight.detach()
         m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta")
-        m.qweight, m.scale = P.quantize_int8(w)
+        m.qweight, m.scale = quantized if quantized is not None else P.quantize_int8(w)
         m._set_bias(linear)
         return m.finalize()
 
@@ -106,11 +107,15 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("cpu_scale_zeros", None, persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: QuantConfig) -> "Int4Linear":
+    def from_linear(cls, linear: nn.Linear, config: QuantConfig, quantized=None) -> "Int4Linear":
+        """quantized: precomputed (codes uint8 (N, K) in 0..15, scale, zero (N, K//G)) on the group
+        size `config` gives this layer, e.g. from GPTQ; default round-to-nearest."""
         w = linear.weight.detach()
         group = config.group_for(linear.in_features)
         m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta", group)
-        q, m.scale, m.zero = P.quantize_int4(w, group, config.is_symmetric)
+        q, m.scale, m.zero = quantized if quantized is not None else P.quantize_int4(w, group, config.is_symmetric)
+        if m.scale.shape != (linear.out_features, linear.in_features // group):
+            raise ValueError(f"int4 scale shape {tuple(m.scale.shape)} does not match group size {group}")
         m.qweight = P.pack_int4(q)
         m._set_bias(linear)
         return m.finalize()

@@ -61,16 +61,26 @@ def quantize_int4(w: Tensor, group_size: int, symmetric: bool = False,
         raise ValueError(f"group_size {group_size} does not divide in_features {k}")
     dtype = scale_dtype or w.dtype
     g = w.to(_acc(w)).reshape(n, k // group_size, group_size)
-    lo, hi = g.amin(-1), g.amax(-1)
+    scale, zero = int4_scale_zero(g.amin(-1), g.amax(-1), symmetric, dtype)
+    q = int4_codes(g, scale[..., None], zero[..., None])
+    return q.reshape(n, k), scale.to(dtype), zero.to(dtype)
+
+
+def int4_scale_zero(lo: Tensor, hi: Tensor, symmetric: bool, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """The int4 grid of groups spanning [lo, hi]: (scale, zero) already rounded to `dtype` but
+    returned in lo's (fp32/fp64) dtype. Shared by round-to-nearest and GPTQ, so both produce
+    codes on exactly the grid that the stored scale and zero dequantize."""
     if symmetric:
         scale = _stored(torch.maximum(-lo / 8.0, hi / 7.0), dtype)
-        zero = torch.full_like(scale, 8.0)
-    else:
-        lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
-        scale = _stored((hi - lo) / 15.0, dtype)
-        zero = (-lo / scale).to(dtype).to(scale.dtype)
-    q = torch.round(g / scale[..., None] + zero[..., None]).clamp_(0, 15).to(torch.uint8)
-    return q.reshape(n, k), scale.to(dtype), zero.to(dtype)
+        return scale, torch.full_like(scale, 8.0)
+    lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
+    scale = _stored((hi - lo) / 15.0, dtype)
+    return scale, (-lo / scale).to(dtype).to(scale.dtype)
+
+
+def int4_codes(w: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
+    """round(w / scale + zero) in 0..15 as uint8 (scale and zero broadcast against w)."""
+    return torch.round(w / scale + zero).clamp_(0, 15).to(torch.uint8)
 
 
 def pack_int4(q: Tensor) -> Tensor:

@@ -122,3 +122,49 @@ def test_inductor_cache_key_follows_ffl_backend_sources(monkeypatch):
     new_version = os.urandom(16)  # never seen before, by this run or any earlier one
     monkeypatch.setattr(cache_key, "source_hash", lambda: new_version)
     assert compile_once().get("fxgraph_cache_miss") == 1
+
+
+def test_inductor_defaults_drop_size_asserts_and_user_patches_win(monkeypatch):
+    """fastflow turns off the wrapper's per-call input size asserts (Dynamo's guards already check
+    the same static sizes); a user's inductor_config still overrides the default."""
+    import torch._inductor.compile_fx as cfx
+
+    seen = []
+    real = cfx.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None, **kwargs):
+        seen.append(dict(config_patches or {}))
+        return real(gm, example_inputs, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(cfx, "compile_fx", spy)
+    lin = torch.nn.Linear(16, 8).eval()
+    x = torch.randn(1, 16)
+    for options, expected in (({}, False), ({"inductor_config": {"size_asserts": True}}, True)):
+        torch._dynamo.reset()
+        seen.clear()
+        with torch.no_grad():
+            out = torch.compile(lin, backend="fastflow", options=options)(x)
+        torch.testing.assert_close(out, lin(x))
+        assert seen[0]["size_asserts"] is expected  # the outer call (compile_fx recurses without patches)
+
+
+def test_configure_generate_enables_fast_guards_and_they_still_catch_changes():
+    import torch._dynamo.config as dynamo_config
+
+    from ffl_backend.generation import FAST_GUARD_CONFIG, configure_generate
+    from tests.tiny_models import tiny_model
+
+    # config.patch restores the settings afterwards (monkeypatch would delete config entries)
+    with dynamo_config.patch({key: dynamo_config.get_config_copy()[key] for key in FAST_GUARD_CONFIG}):
+        model = tiny_model("llama")
+        configure_generate(model, backend="inductor")
+        for key, value in FAST_GUARD_CONFIG.items():
+            assert getattr(dynamo_config, key) == value
+        # module attribute changes still reach the compiled model: swapping a submodule recompiles
+        torch._dynamo.reset()
+        ids = torch.randint(3, 128, (1, 5))
+        compiled = torch.compile(model, backend="fastflow", options={"inductor": False})
+        with torch.no_grad():
+            compiled(ids)
+            model.model.layers[0].mlp.act_fn = torch.nn.Identity()
+            torch.testing.assert_close(compiled(ids).logits, model(ids).logits)

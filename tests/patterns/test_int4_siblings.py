@@ -1,0 +1,74 @@
+"""int4 sibling fusion: q/k/v and gate/up int4 linears on CPU become one packed call each, with
+the same output as the unfused op."""
+import pytest
+import torch
+
+import ffl_backend
+from ffl_backend.config import PATTERN_FAMILIES
+from ffl_backend.kernels.quant_linear import int4_cpu_linear, int4_cpu_pack
+from ffl_backend.quant import primitives as P
+from ffl_backend.quant import quantize
+from tests.tiny_models import LAYERS, tiny_model
+
+
+def _packs(rows, group_size):
+    quantized = [P.quantize_int4(torch.randn(n, 192), group_size) for n in rows]
+    parts = [int4_cpu_pack(P.pack_int4(q), s, z, group_size) for q, s, z in quantized]
+    whole = int4_cpu_pack(torch.cat([P.pack_int4(q) for q, _, _ in quantized]),
+                          torch.cat([s for _, s, _ in quantized]), torch.cat([z for _, _, z in quantized]),
+                          group_size)
+    return parts, whole
+
+
+def test_packed_rows_do_not_concatenate_unless_blocks_of_64():
+    # why the fusion repacks from the portable form: torch blocks the packed rows in 64s
+    parts, whole = _packs((48, 16, 32), 32)
+    assert not torch.equal(torch.cat([p[0] for p in parts]), whole[0])
+    parts, whole = _packs((64, 128, 32), 32)
+    assert torch.equal(torch.cat([p[0] for p in parts]), whole[0])
+
+
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_repacked_siblings_give_each_members_rows(group_size):
+    rows = (48, 16, 32)
+    parts, whole = _packs(rows, group_size)
+    x = torch.randn(3, 192, dtype=torch.bfloat16)
+    fused = int4_cpu_linear(x, *whole, group_size, None)
+    for got, (packed, scale_zeros) in zip(fused.split(rows, dim=-1), parts):
+        torch.testing.assert_close(got, int4_cpu_linear(x, packed, scale_zeros, group_size, None), rtol=0, atol=0)
+
+
+def _logits(model, ids, patterns):
+    torch._dynamo.reset()
+    ffl_backend.clear_reports()
+    options = {"inductor": False, "on_error": "raise", "patterns": patterns}
+    with torch.no_grad():
+        return torch.compile(model, backend="fastflow", options=options)(ids).logits
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v carry biases
+def test_fused_int4_siblings_equal_the_unfused_ops(arch):
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    quantize(model, {"scheme": "int4", "group_size": 32})
+    ids = torch.randint(3, 128, (1, 9))
+    unfused = _logits(model, ids, tuple(f for f in PATTERN_FAMILIES if f != "horizontal"))
+    assert ffl_backend.last_report().ops.get("int4_linear", 0) == 7 * LAYERS
+    fused = _logits(model, ids, PATTERN_FAMILIES)
+    report = ffl_backend.last_report()
+    assert report.matches["horizontal"] == 2 * LAYERS
+    assert report.ops.get("int4_linear", 0) == 2 * LAYERS  # o_proj and down_proj stay single
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
+
+
+def test_layers_without_a_cpu_pack_are_left_alone():
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    quantize(model, {"scheme": "int4", "group_size": 32})
+    for layer in model.model.layers:  # as for a layer whose row count torch's CPU pack refuses
+        layer.self_attn.k_proj.cpu_packed = None
+        layer.self_attn.k_proj.cpu_scale_zeros = None
+    ids = torch.randint(3, 128, (1, 5))
+    with torch.no_grad():
+        ref = model(ids).logits
+    out = _logits(model, ids, PATTERN_FAMILIES)
+    assert ffl_backend.last_report().matches["horizontal"] == 2 * LAYERS  # q+v and gate+up
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
