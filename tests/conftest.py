@@ -16,3 +16,11 @@ def _fresh_seed(request):
     """Fresh random inputs per test, reproducible from the test's name."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    """Each test compiles for itself: without this, a test that reads the fusion report of its
+    compile can be served code Dynamo cached for an earlier test's identical model and see none."""
+    torch._dynamo.reset()
+    yield

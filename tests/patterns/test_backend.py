@@ -124,9 +124,10 @@ def test_inductor_cache_key_follows_ffl_backend_sources(monkeypatch):
     assert compile_once().get("fxgraph_cache_miss") == 1
 
 
-def test_inductor_defaults_drop_size_asserts_and_user_patches_win(monkeypatch):
+def test_inductor_defaults_drop_size_asserts_allow_fma_and_user_patches_win(monkeypatch):
     """fastflow turns off the wrapper's per-call input size asserts (Dynamo's guards already check
-    the same static sizes); a user's inductor_config still overrides the default."""
+    the same static sizes) and lets the C++ compiler contract multiply-adds into FMAs; a user's
+    inductor_config still overrides each default."""
     import torch._inductor.compile_fx as cfx
 
     seen = []
@@ -139,13 +140,15 @@ def test_inductor_defaults_drop_size_asserts_and_user_patches_win(monkeypatch):
     monkeypatch.setattr(cfx, "compile_fx", spy)
     lin = torch.nn.Linear(16, 8).eval()
     x = torch.randn(1, 16)
-    for options, expected in (({}, False), ({"inductor_config": {"size_asserts": True}}, True)):
+    user = {"size_asserts": True, "cpp.enable_floating_point_contract_flag": "off"}
+    for options, expected in (({}, (False, "fast")), ({"inductor_config": user}, (True, "off"))):
         torch._dynamo.reset()
         seen.clear()
         with torch.no_grad():
             out = torch.compile(lin, backend="fastflow", options=options)(x)
         torch.testing.assert_close(out, lin(x))
-        assert seen[0]["size_asserts"] is expected  # the outer call (compile_fx recurses without patches)
+        outer = seen[0]  # the outer call (compile_fx recurses without patches)
+        assert (outer["size_asserts"], outer["cpp.enable_floating_point_contract_flag"]) == expected
 
 
 def test_configure_generate_enables_fast_guards_and_they_still_catch_changes():

@@ -1,0 +1,87 @@
+"""In-process A/B of fastflow options on SmolLM2-135M batch-1 decode.
+
+This shared machine's speed drifts by 10-30% between runs (the same configuration measured 84 and
+58 tok/s hours apart), so two separate ffl-bench runs cannot resolve a few-percent change. Here both
+variants live in one process: two copies of the model, each compiled with its own options, timed in
+alternation (64-token greedy generates), so drift hits both alike.
+
+    python benchmarks/ab_decode.py --quant int8-all --a '{"inductor_config": {"cpp.enable_floating_point_contract_flag": "off"}}' --b '{}'
+    python benchmarks/ab_decode.py ... --dtype float32 --rounds 7 --out benchmarks/results/fp_contract_ab_cpu.json   (appends a row)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+
+import torch
+
+
+def _compiled_copy(path: str, dtype: torch.dtype, quant: str, options: dict, max_cache_len: int):
+    from transformers import AutoModelForCausalLM
+
+    from ffl_backend.generation import configure_generate
+    from ffl_backend.quant import quantize
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    if quant != "none":
+        quantize(model, quant)
+    configure_generate(model, backend="fastflow", options=options or None, max_cache_len=max_cache_len)
+    return model
+
+
+def ab(dtype: str, quant: str, variants: dict, rounds: int, new_tokens: int) -> dict:
+    from transformers import AutoTokenizer
+
+    from ffl_backend.bench.worker import prompt_ids, time_generate
+    from ffl_backend.models import smollm2_path
+
+    path = str(smollm2_path())
+    ids = prompt_ids(AutoTokenizer.from_pretrained(path), 16)
+    models = {}
+    for name, options in variants.items():
+        models[name] = _compiled_copy(path, getattr(torch, dtype), quant, options, 16 + new_tokens)
+        for _ in range(2):  # compile, then one warm run
+            time_generate(models[name], ids, new_tokens)
+    rates = {name: [] for name in models}
+    tokens = {}
+    for _ in range(rounds):
+        for name, model in models.items():
+            timing = time_generate(model, ids, new_tokens)
+            rates[name].append(timing["decode_tok_s"])
+            tokens[name] = timing["tokens"]
+    a, b = (statistics.median(rates[n]) for n in variants)
+    same = sum(x == y for x, y in zip(*tokens.values()))
+    return {"dtype": dtype, "quant": quant, "variants": variants,
+            "decode_tok_s": {n: {"median": round(statistics.median(r), 1), "min": round(min(r), 1),
+                                 "max": round(max(r), 1)} for n, r in rates.items()},
+            "b_over_a": round(b / a, 3), "greedy_tokens_equal_a_b": f"{same}/{new_tokens}"}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--quant", default="none", help="none or a quantize() scheme/preset (int8, int8-all, int4-all)")
+    p.add_argument("--a", default="{}", help="fastflow options of variant a (JSON)")
+    p.add_argument("--b", default="{}", help="fastflow options of variant b (JSON)")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--out", help="JSON file to append this row to")
+    args = p.parse_args(argv)
+    from ffl_backend.bench.grid import environment
+
+    row = ab(args.dtype, args.quant, {"a": json.loads(args.a), "b": json.loads(args.b)}, args.rounds, args.new_tokens)
+    row["command"] = "python benchmarks/ab_decode.py " + " ".join(
+        f"--{k.replace('_', '-')} '{v}'" if k in ("a", "b") else f"--{k.replace('_', '-')} {v}"
+        for k, v in vars(args).items() if k != "out" and v is not None)
+    row["environment"] = environment()
+    print(json.dumps(row, indent=1))
+    if args.out:
+        rows = json.load(open(args.out)) if os.path.exists(args.out) else []
+        with open(args.out, "w") as fh:
+            json.dump(rows + [row], fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
