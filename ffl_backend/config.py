@@ -37,8 +37,8 @@ PATTERN_FAMILIES = (
 # tensor guards have already checked the same static sizes and strides before the call.
 # cpp.enable_floating_point_contract_flag: Inductor compiles its C++ with -ffp-contract=off, so every
 # `acc + x * w` of a decode GEMV is a multiply and a dependent add; "fast" lets the compiler emit one
-# FMA (one rounding instead of two). Measured in-process A/B on SmolLM2 decode: int8-all +15-35%,
-# int8 +19%, fp32 +9%, int4-all +7%, bf16 +3.5% (benchmarks/results/fp_contract_ab_cpu.json).
+# FMA (one rounding instead of two). SmolLM2 decode, in-process A/B (benchmarks/ab_decode.py,
+# benchmarks/results/fp_contract_ab_cpu.json): int8-all +11%, int8 +8%, int4-all +8%, fp32 +12%, bf16 +5%.
 DEFAULT_INDUCTOR_CONFIG = {"size_asserts": False, "cpp.enable_floating_point_contract_flag": "fast"}
 
 
