@@ -84,11 +84,17 @@ def rss(args) -> dict:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(ffl_backend.smollm2_path(), dtype=torch.bfloat16)
-    else:
-        model, _ = _model("int8" if args.model == "int8-quantize" else "bf16", torch.bfloat16)
+    else:  # "<scheme>-quantize": load bf16 and quantize in this process
+        model, _ = _model(args.model.removesuffix("-quantize"), torch.bfloat16)
     with torch.no_grad():
         model(torch.randint(0, 1000, (1, 32)))
-    return {"model": args.model, "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+    return {"model": args.model, "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+            "rss_after_forward_mib": _current_rss_mib()}
+
+
+def _current_rss_mib() -> float:
+    with open("/proc/self/status") as fh:
+        return next(round(int(line.split()[1]) / 1024, 1) for line in fh if line.startswith("VmRSS"))
 
 
 def save(args) -> dict:
@@ -103,7 +109,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["decode", "rss", "save"])
     p.add_argument("--model", default="int8", help="bf16 | int8 | int8-all | int4 | int4-g32 | w8a8 | fp8 | imports | int8-load | int8-hf | "
-                   "int8-quantize")
+                   "<scheme>-quantize (int8-quantize, int8-all-quantize: bf16 loaded, then quantized in-process)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="fastflow")
     p.add_argument("--threads", type=int, default=1)

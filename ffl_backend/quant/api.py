@@ -8,6 +8,7 @@ from torch import nn
 
 from . import calibration
 from .config import QuantConfig, resolve, resolve_steps
+from .file_pages import copy_out_of_file_mappings
 from .modules import MODULES, Int8Embedding, Int8Linear, QuantizedModule
 
 logger = logging.getLogger("ffl_backend")
@@ -73,12 +74,15 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     scheme (int4 group size not dividing in_features) stay in high precision with a logged warning
     and are listed in `model._ffl_quant["kept"]`."""
     steps = resolve_steps(config)
+    for step in steps:
+        _quantize_step(model, step, calibration_data)
     if len(steps) > 1:
-        for step in steps:
-            quantize(model, step, calibration_data=calibration_data)
         getattr(model, STATE_ATTR)["config"] = [step.to_dict() for step in steps]
-        return model
-    cfg = steps[0]
+    copy_out_of_file_mappings(model, skip=(QuantizedModule,))  # lets the replaced weights' pages go
+    return model
+
+
+def _quantize_step(model: nn.Module, cfg: QuantConfig, calibration_data) -> None:
     targets = select_linears(model, cfg)
     for name, linear in targets.items():
         _check_supported(name, linear, cfg)
@@ -99,7 +103,6 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     state = getattr(model, STATE_ATTR, {"config": cfg.to_dict(), "kept": {}})
     state["kept"].update(kept)
     setattr(model, STATE_ATTR, state)
-    return model
 
 
 def _quantize_embeddings(model: nn.Module, cfg: QuantConfig, by_weight: dict, kept: dict) -> None:
