@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 
 import torch
@@ -69,19 +68,10 @@ def main(argv=None) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--out", help="JSON file to append this row to")
     args = p.parse_args(argv)
-    from ffl_backend.bench.grid import environment
+    from ffl_backend.bench.grid import report_row
 
     row = ab(args.dtype, args.quant, {"a": json.loads(args.a), "b": json.loads(args.b)}, args.rounds, args.new_tokens)
-    row["command"] = "python benchmarks/ab_decode.py " + " ".join(
-        f"--{k.replace('_', '-')} '{v}'" if k in ("a", "b") else f"--{k.replace('_', '-')} {v}"
-        for k, v in vars(args).items() if k != "out" and v is not None)
-    row["environment"] = environment()
-    print(json.dumps(row, indent=1))
-    if args.out:
-        rows = json.load(open(args.out)) if os.path.exists(args.out) else []
-        with open(args.out, "w") as fh:
-            json.dump(rows + [row], fh, indent=1)
-
+    report_row(row, args.out)
 
 if __name__ == "__main__":
     main()

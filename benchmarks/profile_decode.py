@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 
 import torch
 
-from ffl_backend.bench.grid import environment
+from ffl_backend.bench.grid import report_row
 
 GROUPS = {  # first matching rule wins; keys are profiler event names (substrings)
     "gemv (aten::mm / packed / int8 / int4)": ("aten::mm", "mkldnn::_linear_pointwise", "_weight_int8pack_mm",
@@ -82,13 +81,7 @@ def main() -> int:
     p.add_argument("--out", help="JSON file to append this row to")
     args = p.parse_args()
     row = profile(args.dtype, args.backend, args.options, args.new_tokens, args.quant)
-    row["command"] = "python " + " ".join(sys.argv)
-    row["environment"] = environment()
-    print(json.dumps(row, indent=1))
-    if args.out:
-        rows = json.load(open(args.out)) if os.path.exists(args.out) else []
-        with open(args.out, "w") as fh:
-            json.dump(rows + [row], fh, indent=1)
+    report_row(row, args.out)
     return 0
 
 

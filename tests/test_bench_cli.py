@@ -161,3 +161,17 @@ def test_weight_bytes_counts_a_tied_table_once_and_skips_lookup_only_embeddings(
     assert tied.get_input_embeddings().qweight.data_ptr() == tied.lm_head.qweight.data_ptr()
     unique = {t.data_ptr(): t for t in tied.state_dict().values()}
     assert weight_bytes(tied) == nbytes(unique.values()) < before / 3  # fp32 -> int8 + scales
+
+
+def test_report_row_stamps_prints_and_appends(tmp_path, monkeypatch, capsys):
+    from ffl_backend.bench.grid import report_row
+
+    out = tmp_path / "rows.json"
+    monkeypatch.setattr(sys, "argv", ["benchmarks/x.py", "--opt", '{"a": 1}'])
+    report_row({"tok_s": 1.0}, str(out))
+    report_row({"tok_s": 2.0}, str(out))
+    rows = json.loads(out.read_text())
+    assert [r["tok_s"] for r in rows] == [1.0, 2.0]
+    assert rows[0]["command"] == "python benchmarks/x.py --opt '{\"a\": 1}'"
+    assert rows[0]["environment"]["torch"]
+    assert '"tok_s": 2.0' in capsys.readouterr().out

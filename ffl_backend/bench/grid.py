@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -137,6 +138,19 @@ def environment() -> dict:
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "triton": triton.__version__,
             "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+def report_row(row: dict, out: str | None = None) -> dict:
+    """Stamp a benchmark script's result row with its command line and environment, print it, and
+    append it to the JSON list in `out` (created if missing)."""
+    row["command"] = "python " + shlex.join(sys.argv)
+    row["environment"] = environment()
+    print(json.dumps(row, indent=1))
+    if out:
+        rows = json.load(open(out)) if os.path.exists(out) else []
+        with open(out, "w") as fh:
+            json.dump(rows + [row], fh, indent=1)
+    return row
 
 
 class Progress:
