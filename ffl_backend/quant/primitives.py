@@ -34,12 +34,24 @@ def _stored(scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 # --- int8 per output channel (weight-only and W8A8 weights) ------------------------------------
 
-def quantize_int8(w: Tensor, scale_dtype: torch.dtype | None = None) -> tuple[Tensor, Tensor]:
+# Rows are quantized in blocks of about this many elements: rows are independent, and a whole
+# 49152 x 576 embedding at once would hold ~3 float copies of it (~340 MB) at the peak.
+INT8_BLOCK_ELEMENTS = 1 << 22
+
+
+def quantize_int8(w: Tensor, scale_dtype: torch.dtype | None = None,
+                  block_elements: int = INT8_BLOCK_ELEMENTS) -> tuple[Tensor, Tensor]:
     """Symmetric per-row int8: (q int8 (N, K), scale (N,) in `scale_dtype`, default w.dtype)."""
-    wf = w.to(_acc(w))
-    scale = _stored(wf.abs().amax(dim=1) / INT8_MAX, scale_dtype or w.dtype)
-    q = torch.round(wf / scale[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scale.to(scale_dtype or w.dtype)
+    out_dtype = scale_dtype or w.dtype
+    q = torch.empty(w.shape, dtype=torch.int8, device=w.device)
+    scale = torch.empty(w.shape[0], dtype=out_dtype, device=w.device)
+    rows = max(1, block_elements // max(1, w.shape[1]))
+    for start in range(0, w.shape[0], rows):
+        wf = w[start:start + rows].to(_acc(w))
+        s = _stored(wf.abs().amax(dim=1) / INT8_MAX, out_dtype)
+        q[start:start + rows] = torch.round(wf / s[:, None]).clamp_(-INT8_MAX, INT8_MAX)
+        scale[start:start + rows] = s
+    return q, scale
 
 
 def dequantize_int8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32) -> Tensor:

@@ -27,6 +27,19 @@ def test_int8_sqnr_and_layout():
     assert P.sqnr(w, P.dequantize_int8(q, s)) > 42.0
 
 
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_int8_row_blocks_change_nothing(dtype):
+    """Big tables are quantized a block of rows at a time (peak memory); the result is the same as
+    all rows at once, including a last block shorter than the others."""
+    w = torch.randn(101, 37, dtype=dtype) * torch.rand(101, 1, dtype=dtype)
+    whole = P.quantize_int8(w, block_elements=w.numel())
+    for rows in (1, 7, 100):
+        blocked = P.quantize_int8(w, block_elements=rows * w.shape[1])
+        assert torch.equal(blocked[0], whole[0]) and torch.equal(blocked[1], whole[1])
+    ref_scale = (w.float().abs().amax(1) / 127).clamp_min(P.SCALE_EPS).to(dtype)
+    assert torch.equal(whole[1], ref_scale)
+
+
 @pytest.mark.parametrize("group", (32, 64, 128))
 @pytest.mark.parametrize("symmetric", (False, True))
 def test_int4_sqnr_and_layout(group, symmetric):
