@@ -14,33 +14,18 @@ import argparse
 import json
 import statistics
 
-import torch
-
-
-def _compiled_copy(path: str, dtype: torch.dtype, quant: str, options: dict, max_cache_len: int):
-    from transformers import AutoModelForCausalLM
-
-    from ffl_backend.generation import configure_generate
-    from ffl_backend.quant import quantize
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
-    if quant != "none":
-        quantize(model, quant)
-    configure_generate(model, backend="fastflow", options=options or None, max_cache_len=max_cache_len)
-    return model
-
 
 def ab(dtype: str, quant: str, variants: dict, rounds: int, new_tokens: int) -> dict:
-    from transformers import AutoTokenizer
-
-    from ffl_backend.bench.worker import prompt_ids, time_generate
+    from ffl_backend.bench.worker import load_model, prompt_ids, time_generate
+    from ffl_backend.generation import configure_generate
     from ffl_backend.models import smollm2_path
 
-    path = str(smollm2_path())
-    ids = prompt_ids(AutoTokenizer.from_pretrained(path), 16)
-    models = {}
+    models, ids = {}, None
     for name, options in variants.items():
-        models[name] = _compiled_copy(path, getattr(torch, dtype), quant, options, 16 + new_tokens)
+        models[name], tok, _, _ = load_model({"model": str(smollm2_path()), "dtype": dtype, "quant": quant})
+        configure_generate(models[name], backend="fastflow", options=options or None,
+                           max_cache_len=16 + new_tokens)
+        ids = prompt_ids(tok, 16)
         for _ in range(2):  # compile, then one warm run
             time_generate(models[name], ids, new_tokens)
     rates = {name: [] for name in models}
@@ -72,6 +57,7 @@ def main(argv=None) -> None:
 
     row = ab(args.dtype, args.quant, {"a": json.loads(args.a), "b": json.loads(args.b)}, args.rounds, args.new_tokens)
     report_row(row, args.out)
+
 
 if __name__ == "__main__":
     main()

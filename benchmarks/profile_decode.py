@@ -40,18 +40,12 @@ def _group(name: str) -> str:
 
 
 def profile(dtype: str, backend: str, options: dict | None, new_tokens: int, quant: str = "none") -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ffl_backend.bench.worker import prompt_ids, time_generate
+    from ffl_backend.bench.worker import load_model, prompt_ids, time_generate
     from ffl_backend.generation import configure_generate
     from ffl_backend.models import smollm2_path
 
-    path = str(smollm2_path())
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).eval()
-    if quant != "none":
-        from ffl_backend.quant import quantize
-        quantize(model, quant)
-    ids = prompt_ids(AutoTokenizer.from_pretrained(path), 16)
+    model, tok, _, _ = load_model({"model": str(smollm2_path()), "dtype": dtype, "quant": quant})
+    ids = prompt_ids(tok, 16)
     opts = {**(options or {}), "inductor_config": {"cpp.enable_kernel_profile": True}}
     if backend == "inductor":
         opts = {"cpp.enable_kernel_profile": True}

@@ -102,7 +102,9 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _load(cfg: dict):
+def load_model(cfg: dict):
+    """(model, tokenizer, load seconds, quantize seconds) for a config with keys model, dtype and
+    optionally device and quant (a quantize() scheme or preset)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -132,7 +134,7 @@ def run_one(cfg: dict) -> dict:
 
     if cfg.get("threads"):
         torch.set_num_threads(cfg["threads"])
-    model, tok, load_s, quantize_s = _load(cfg)
+    model, tok, load_s, quantize_s = load_model(cfg)
     ids = prompt_ids(tok, cfg["prompt_len"], cfg.get("text")).repeat(cfg.get("batch", 1), 1)
     ids = ids.to(cfg.get("device", "cpu"))
     backend = None if cfg["backend"] == "eager" else cfg["backend"]
