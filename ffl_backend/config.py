@@ -15,6 +15,12 @@ bf16_exact_weights  True (default): on CPU, single-row (decode) fp32 linears who
               exact bf16 values (a bf16 checkpoint loaded in fp32) read a bf16 copy of the weight:
               half the bytes, identical products, fp32 accumulation. Costs the copy's memory (half
               the fp32 weights it covers). False: fp32 weights are always read as fp32.
+cpu_gemv      how the decode_gemv family computes single-row CPU linears (int8 weight-only and bf16
+              weights, incl. the bf16 copy above): "auto" (default) calls the hand-written kernel
+              `fastflow_cpu::gemv` (kernels/cpu_gemv.cpp, compiled once per machine on first use,
+              ~2x the streaming rate of Inductor's loop) and falls back to "loops" with a warning
+              where it cannot be built; "kernel" requires it (an error where it cannot be built);
+              "loops" lets Inductor generate the multiply + sum loop.
 inductor_config  extra `torch._inductor.config` patches over DEFAULT_INDUCTOR_CONFIG, applied to
               this compile only, e.g.
               {"cpp_wrapper": True}: ~5% faster fp32 CPU decode, ~3x longer compile (measured).
@@ -31,6 +37,7 @@ PATTERN_FAMILIES = (
     "decode_gemv", "packed_linear",
 )
 
+CPU_GEMV_CHOICES = ("auto", "kernel", "loops")
 
 # Inductor settings fastflow changes by default. size_asserts: the compiled wrapper re-checks the size
 # and stride of every input on every call (~580 asserts per SmolLM2 decode step, ~0.3 ms); Dynamo's
@@ -48,6 +55,7 @@ class BackendOptions:
     on_error: str = "fallback"
     inductor: bool = True
     bf16_exact_weights: bool = True
+    cpu_gemv: str = "auto"
     inductor_config: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -67,4 +75,6 @@ class BackendOptions:
             options["patterns"] = patterns
         if options.get("on_error", "fallback") not in ("fallback", "raise"):
             raise ValueError("fastflow: on_error must be 'fallback' or 'raise'")
+        if options.get("cpu_gemv", "auto") not in CPU_GEMV_CHOICES:
+            raise ValueError(f"fastflow: cpu_gemv must be one of {CPU_GEMV_CHOICES}")
         return cls(**options)

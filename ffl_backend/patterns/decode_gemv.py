@@ -36,9 +36,10 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from ..kernels import weight_cache
+from ..kernels import cpu_gemv, weight_cache
 from . import fx_utils as U
 from .cpu_linear import _weight_tensor
+from .gemv_kernel import KernelGemv, emit_kernel_calls
 
 COMPACT_PREFIX = "_fastflow_bf16_weight"
 
@@ -111,16 +112,50 @@ def _replace(gm: fx.GraphModule, node: fx.Node, fn, args) -> None:
     U.erase_dead(gm.graph, [node])
 
 
-def _rewrite_int8(gm: fx.GraphModule, node: fx.Node) -> bool:
-    x, qweight, scale = node.args[0], node.args[1], node.args[2]
-    qv = U.value(qweight)
-    if not _single_cpu_row(x) or not isinstance(qv, torch.Tensor) or qv.device.type != "cpu":
+def use_kernel(options) -> bool:
+    """Whether single-row linears call `fastflow_cpu::gemv` (option `cpu_gemv`, see config.py)."""
+    if options.cpu_gemv == "loops":
         return False
-    _replace(gm, node, int8_linear_rowwise, (x, qweight, scale, U.arg(node, 3, "bias")))
+    if cpu_gemv.load():
+        return True
+    if options.cpu_gemv == "kernel":
+        raise RuntimeError(f"fastflow: cpu_gemv='kernel' but the CPU GEMV kernel is unavailable: {cpu_gemv.load_error()}")
+    return False
+
+
+def _operand(gm: fx.GraphModule, node):
+    """The tensor (real or fake) behind an argument node: a constant of gm or a recorded value."""
+    if isinstance(node, fx.Node) and node.op == "get_attr":
+        return getattr(gm, node.target, None)
+    return U.value(node)
+
+
+def _kernel_fits(gm: fx.GraphModule, x, weight, *vectors) -> bool:
+    """Whether the kernel takes these operands: its dtypes, a contiguous (N, K) weight, (N,) vectors."""
+    w = _operand(gm, weight)
+    if U.dtype_of(x) not in cpu_gemv.ACTIVATION_DTYPES or not isinstance(w, torch.Tensor):
+        return False
+    if w.dtype not in cpu_gemv.WEIGHT_DTYPES or w.dim() != 2 or not w.is_contiguous():
+        return False
+    for v in (_operand(gm, v) for v in vectors if v is not None):
+        if not isinstance(v, torch.Tensor) or tuple(v.shape) != (w.shape[0],) or not v.is_floating_point():
+            return False
     return True
 
 
-def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node) -> bool:
+def _rewrite_int8(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) -> bool:
+    x, qweight, scale, bias = node.args[0], node.args[1], node.args[2], U.arg(node, 3, "bias")
+    qv = U.value(qweight)
+    if not _single_cpu_row(x) or not isinstance(qv, torch.Tensor) or qv.device.type != "cpu":
+        return False
+    if use_kernel(ctx.options) and _kernel_fits(gm, x, qweight, scale, bias):
+        kernel_gemvs.append(KernelGemv(node, x, qweight, torch.int8, scale, bias))
+    else:
+        _replace(gm, node, int8_linear_rowwise, (x, qweight, scale, bias))
+    return True
+
+
+def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) -> bool:
     x, w_node, b_node = node.args[0], U.arg(node, 1, "weight"), U.arg(node, 2, "bias")
     w = _weight_tensor(w_node, ctx)
     if w is None or w.device.type != "cpu" or not _single_cpu_row(x) or U.dtype_of(x) != w.dtype:
@@ -133,6 +168,9 @@ def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node) -> bool:
         weight_arg = w_node
     else:
         return False
+    if use_kernel(ctx.options) and _kernel_fits(gm, x, weight_arg, b_node):
+        kernel_gemvs.append(KernelGemv(node, x, weight_arg, torch.bfloat16, None, b_node))
+        return True  # the fp32 weight's constant (if any) is dropped once the kernel call replaced node
     _replace(gm, node, linear_rowwise, (x, weight_arg, b_node))
     if weight_arg is not w_node:
         _drop_unused_constant(gm, w_node)
@@ -142,10 +180,14 @@ def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node) -> bool:
 def decode_gemv_pass(gm: fx.GraphModule, ctx) -> int:
     if not ctx.options.inductor:  # eager would materialize the (N, K) product
         return 0
-    count = 0
+    count, kernel_gemvs = 0, []
     for node in list(gm.graph.nodes):
         if U.is_op(node, "linear"):
-            count += _rewrite(gm, ctx, node)
+            count += _rewrite(gm, ctx, node, kernel_gemvs)
         elif U.fastflow_op_name(node) == "int8_linear":
-            count += _rewrite_int8(gm, node)
+            count += _rewrite_int8(gm, ctx, node, kernel_gemvs)
+    replaced_weights = [U.arg(g.node, 1, "weight") for g in kernel_gemvs]
+    emit_kernel_calls(gm, kernel_gemvs)
+    for w_node in replaced_weights:
+        _drop_unused_constant(gm, w_node)
     return count

@@ -1,0 +1,61 @@
+"""Single-row CPU linears -> `fastflow_cpu::gemv` calls, siblings that read one row grouped into one call.
+
+decode_gemv decides which linears take the hand-written kernel (kernels/cpu_gemv.py) and hands them
+here as `KernelGemv` records; `emit_kernel_calls` rewrites them. Linears reading the same activation
+node with the same weight dtype and the same operands present (scale, bias) become one call, placed
+at the first of them: q/k/v (3 calls -> 1) and gate/up (2 -> 1) of an int8 Llama layer. Their weights
+stay separate tensors -- the kernel walks a list -- so grouping costs no fused copy of the weights.
+Weights, scales and biases are graph inputs or constants, defined before any call, so moving a
+member's call up to the first member's position never reads a value before it exists.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections import defaultdict
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+from . import fx_utils as U
+
+
+@dataclasses.dataclass
+class KernelGemv:
+    node: fx.Node              # the linear (or fastflow.int8_linear) call being replaced
+    x: fx.Node                 # the single activation row
+    weight: fx.Node            # (N, K) int8 or bf16
+    weight_dtype: torch.dtype
+    scale: Optional[fx.Node]   # (N,) per-output-channel scale (int8) or None
+    bias: Optional[fx.Node]    # (N,) or None
+
+
+def _group_key(g: KernelGemv):
+    return g.x, g.weight_dtype, g.scale is None, g.bias is None
+
+
+def _emit_group(graph: fx.Graph, members: list) -> None:
+    first = members[0].node
+    scales = [m.scale for m in members] if members[0].scale is not None else []
+    biases = [m.bias for m in members] if members[0].bias is not None else []
+    args = (members[0].x, [m.weight for m in members], scales, biases)
+    with graph.inserting_before(first):
+        call = graph.call_function(torch.ops.fastflow_cpu.gemv.default, args)
+        items = [graph.call_function(operator.getitem, (call, i)) for i in range(len(members))]
+    call.meta["example_value"] = [m.node.meta.get("example_value") for m in members]
+    for member, item in zip(members, items):
+        U.copy_meta(item, member.node)
+        member.node.replace_all_uses_with(item)
+    U.erase_dead(graph, [m.node for m in members])
+
+
+def emit_kernel_calls(gm: fx.GraphModule, gemvs: list) -> int:
+    """Replace `gemvs` (in graph order) by grouped kernel calls; returns how many linears were replaced."""
+    groups = defaultdict(list)
+    for g in gemvs:
+        groups[_group_key(g)].append(g)
+    for members in groups.values():
+        _emit_group(gm.graph, members)
+    return len(gemvs)
+

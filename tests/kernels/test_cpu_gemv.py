@@ -1,0 +1,143 @@
+"""fastflow_cpu::gemv, the hand-written CPU decode GEMV: reference equality on odd shapes, opcheck,
+clear errors, the build fallback, and its use by the decode_gemv family (siblings grouped)."""
+import pytest
+import torch
+
+import ffl_backend
+from ffl_backend.generation import configure_generate
+from ffl_backend.kernels import cpu_gemv
+from tests.helpers import assert_matches_reference
+from tests.tiny_models import LAYERS, tiny_model
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.load(), reason=f"CPU GEMV kernel not built: {cpu_gemv.load_error()}")
+
+
+def _weights(rows, k, dtype):
+    if dtype == torch.int8:
+        return [torch.randint(-128, 128, (n, k), dtype=torch.int8) for n in rows]
+    return [torch.randn(n, k, dtype=dtype) for n in rows]
+
+
+def _operands(rows, k, wdtype, xdtype, scaled, biased, xshape=None):
+    x = torch.randn(xshape or (1, 1, k), dtype=xdtype)
+    ws = _weights(rows, k, wdtype)
+    scales = [torch.rand(n, dtype=torch.bfloat16) / 64 for n in rows] if scaled else []
+    biases = [torch.randn(n, dtype=xdtype) for n in rows] if biased else []
+    return x, ws, scales, biases
+
+
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows,k", [((1,), 1), ((7,), 15), ((5, 3), 17), ((193,), 64), ((33, 2, 64), 65),
+                                    ((576, 192, 192), 576), ((96,), 1000)])
+@pytest.mark.parametrize("scaled,biased", [(True, False), (False, True), (False, False)])
+def test_matches_reference(wdtype, xdtype, rows, k, scaled, biased):
+    args = _operands(rows, k, wdtype, xdtype, scaled, biased)
+    out = torch.ops.fastflow_cpu.gemv(*args)
+    assert_matches_reference(out, cpu_gemv.gemv_ref, args, atol=_fp32_sum_tolerance(*args), interpreted=False)
+
+
+def _fp32_sum_tolerance(x, weights, scales, biases):
+    """fp32 outputs: the bound on reordering an fp32 sum of K products, K * eps * sum |x w| (int8
+    weights without a scale make sums of ~1e3, where torch's own error is no yardstick)."""
+    if x.dtype != torch.float32:
+        return None
+    mags = [(x.double().abs().reshape(-1) @ w.double().abs().T).max().item() for w in weights]
+    return max(1e-5, x.shape[-1] * 2.0**-24 * max(mags))
+
+
+@pytest.mark.parametrize("xshape", [(40,), (1, 40), (1, 1, 1, 40)])
+def test_output_takes_the_rows_shape(xshape):
+    x, ws, scales, biases = _operands((9, 4), 40, torch.int8, torch.float32, True, True, xshape)
+    outs = torch.ops.fastflow_cpu.gemv(x, ws, scales, biases)
+    assert [o.shape for o in outs] == [(*xshape[:-1], 9), (*xshape[:-1], 4)]
+
+
+def test_threads_split_rows_across_matrix_boundaries():
+    """Many small matrices in one call: every thread's run of rows starts and ends mid-matrix."""
+    args = _operands(tuple(range(1, 40)), 80, torch.int8, torch.float32, True, False)
+    for threads in (1, 2, 3):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            out = torch.ops.fastflow_cpu.gemv(*args)
+        finally:
+            torch.set_num_threads(previous)
+        assert_matches_reference(out, cpu_gemv.gemv_ref, args, interpreted=False)
+
+
+@pytest.mark.parametrize("wdtype,scaled", [(torch.int8, True), (torch.bfloat16, False)])
+def test_opcheck(wdtype, scaled):
+    args = _operands((24, 8), 48, wdtype, torch.bfloat16, scaled, True)
+    torch.library.opcheck(torch.ops.fastflow_cpu.gemv.default, args)
+
+
+def test_bad_operands_raise_clear_errors():
+    x = torch.randn(1, 32)
+    w = torch.randint(-5, 5, (8, 32), dtype=torch.int8)
+    gemv = torch.ops.fastflow_cpu.gemv
+    with pytest.raises(RuntimeError, match="one row"):
+        gemv(torch.randn(2, 32), [w], [], [])
+    with pytest.raises(RuntimeError, match=r"contiguous CPU \(N, 32\)"):
+        gemv(x, [w, torch.randint(-5, 5, (8, 31), dtype=torch.int8)], [], [])
+    with pytest.raises(RuntimeError, match=r"contiguous CPU \(N, 32\)"):
+        gemv(x, [torch.randint(-5, 5, (32, 8), dtype=torch.int8).T], [], [])
+    with pytest.raises(RuntimeError, match="int8 or bfloat16"):
+        gemv(x, [torch.randn(8, 32)], [], [])
+    with pytest.raises(RuntimeError, match="one scale per weight"):
+        gemv(x, [w, w], [torch.ones(8)], [])
+    with pytest.raises(RuntimeError, match="vector of its weight's 8 rows"):
+        gemv(x, [w], [torch.ones(7)], [])
+
+
+def test_build_failure_is_reported_and_loading_says_no(monkeypatch, tmp_path):
+    monkeypatch.setattr(cpu_gemv, "_state", {})
+    monkeypatch.setattr(cpu_gemv, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    assert cpu_gemv.load() is False
+    assert "no-such-compiler" in cpu_gemv.load_error()
+    assert not list(tmp_path.glob("*.so"))
+
+
+def _decode(model, cpu_gemv_option):
+    torch._dynamo.reset()
+    ffl_backend.clear_reports()
+    configure_generate(model, backend="fastflow", options={"on_error": "raise", "cpu_gemv": cpu_gemv_option})
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    model.generate(ids, **kw)  # compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = model.generate(ids, **kw)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "fastflow_cpu::gemv")
+    return out, calls, ffl_backend.last_report()
+
+
+@pytest.mark.parametrize("scheme,dtype", [("int8-all", torch.float32), (None, torch.bfloat16)])
+def test_decode_uses_grouped_kernel_calls_and_matches_inductor_loops(scheme, dtype):
+    """A tiny int8 (or bf16) Llama: per layer q/k/v is one call, o one, gate/up one, down one, plus the
+    lm_head -- and decoding equals the same model with Inductor's GEMV loops."""
+    from ffl_backend.quant import quantize
+
+    model = tiny_model("llama", dtype=dtype)
+    if scheme:
+        quantize(model, scheme)
+    loops, loop_calls, _ = _decode(model, "loops")
+    kernel, kernel_calls, report = _decode(model, "auto")
+    assert loop_calls == 0
+    steps = len(kernel.logits) - 1  # the first token comes from the multi-row prefill
+    assert kernel_calls == steps * (4 * LAYERS + 1)
+    assert report.matches["decode_gemv"] == (7 if scheme else 4) * LAYERS + 1
+    if dtype == torch.float32:
+        assert torch.equal(kernel.sequences, loops.sequences)
+    for a, b in zip(kernel.logits, loops.logits):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 if dtype == torch.float32 else 0.1)
+
+
+def test_kernel_option_requires_the_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_gemv, "load", lambda: False)
+    monkeypatch.setattr(cpu_gemv, "load_error", lambda: "no compiler here")
+    model = tiny_model("llama", dtype=torch.bfloat16)
+    out, calls, report = _decode(model, "auto")  # falls back to Inductor's loops
+    assert calls == 0 and report.matches["decode_gemv"] == 4 * LAYERS + 1
+    with pytest.raises(Exception, match="no compiler here"):
+        _decode(model, "kernel")
