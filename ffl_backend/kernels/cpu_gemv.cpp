@@ -144,9 +144,10 @@ void gemv_all(const float* x, const std::vector<at::Tensor>& weights, const std:
 }
 
 // weights: one or more (N_i, K) matrices of one dtype, all multiplied by the same row x; scales and
-// biases: empty, or one (N_i,) vector per weight. Returns one output per weight, shaped like x with
-// N_i features.
-std::vector<at::Tensor> gemv(const at::Tensor& x, at::TensorList weights, at::TensorList scales, at::TensorList biases) {
+// biases: empty, or one (N_i,) vector per weight. Returns the outputs concatenated along the last
+// dim (shaped like x with sum N_i features); callers slice it. One tensor rather than a list:
+// Inductor's cpp_wrapper mishandles a custom op's one-element Tensor[] result (torch 2.13: segfault).
+at::Tensor gemv(const at::Tensor& x, at::TensorList weights, at::TensorList scales, at::TensorList biases) {
   TORCH_CHECK(!weights.empty(), "fastflow_cpu::gemv: no weights");
   TORCH_CHECK(scales.empty() || scales.size() == weights.size(), "fastflow_cpu::gemv: one scale per weight, or none");
   TORCH_CHECK(biases.empty() || biases.size() == weights.size(), "fastflow_cpu::gemv: one bias per weight, or none");
@@ -175,31 +176,28 @@ std::vector<at::Tensor> gemv(const at::Tensor& x, at::TensorList weights, at::Te
     gemv_all<c10::BFloat16>(x32.data(), weights.vec(), first_row, K, y32.data());
   }
 
-  std::vector<at::Tensor> outs;
   for (size_t i = 0; i < weights.size(); ++i) {
-    const int64_t N = weights[i].size(0);
-    std::vector<float> y(y32.begin() + first_row[i], y32.begin() + first_row[i + 1]);
+    const int64_t begin = first_row[i], N = first_row[i + 1] - begin;
     if (!scales.empty()) {
       const std::vector<float> s = as_floats(scales[i]);
-      for (int64_t n = 0; n < N; ++n) y[n] *= s[n];
+      for (int64_t n = 0; n < N; ++n) y32[begin + n] *= s[n];
     }
     if (!biases.empty()) {
       const std::vector<float> b = as_floats(biases[i]);
-      for (int64_t n = 0; n < N; ++n) y[n] += b[n];
+      for (int64_t n = 0; n < N; ++n) y32[begin + n] += b[n];
     }
-    std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-    shape.back() = N;
-    at::Tensor out = at::empty(shape, x.options());
-    store_floats(y, out);
-    outs.push_back(out);
   }
-  return outs;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = first_row.back();
+  at::Tensor out = at::empty(shape, x.options());
+  store_floats(y32, out);
+  return out;
 }
 
 }  // namespace
 
 TORCH_LIBRARY(fastflow_cpu, m) {
-  m.def("gemv(Tensor x, Tensor[] weights, Tensor[] scales, Tensor[] biases) -> Tensor[]");
+  m.def("gemv(Tensor x, Tensor[] weights, Tensor[] scales, Tensor[] biases) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(fastflow_cpu, CPU, m) { m.impl("gemv", &gemv); }

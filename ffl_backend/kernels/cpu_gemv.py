@@ -1,6 +1,6 @@
 """`torch.ops.fastflow_cpu.gemv`: a hand-written CPU GEMV for decode steps, built on first use.
 
-    gemv(x, [w_1..w_n], [s_1..s_n] or [], [b_1..b_n] or []) = [(x @ w_i.T) * s_i + b_i for each i]
+    gemv(x, [w_1..w_n], [s_1..s_n] or [], [b_1..b_n] or []) = cat([(x @ w_i.T) * s_i + b_i for each i], -1)
 
 for one row x. The weights are int8 (weight-only quantized, `s_i` per output channel) or bf16, all
 of one dtype and width; products and sums in fp32, one rounding to x's dtype. Siblings that read the
@@ -42,7 +42,7 @@ _state: dict = {}  # "loaded": bool, "error": str
 
 
 def gemv_ref(x: Tensor, weights: Sequence[Tensor], scales: Sequence[Tensor] = (),
-             biases: Sequence[Tensor] = ()) -> list:
+             biases: Sequence[Tensor] = ()) -> Tensor:
     """Pure-torch reference of the op: fp32 products and sums, one rounding to x's dtype."""
     acc = torch.promote_types(x.dtype, torch.float32)  # float64 inputs: an exact reference
     outs = []
@@ -53,7 +53,7 @@ def gemv_ref(x: Tensor, weights: Sequence[Tensor], scales: Sequence[Tensor] = ()
         if biases:
             y = y + biases[i].to(acc)
         outs.append(y.to(x.dtype))
-    return outs
+    return torch.cat(outs, -1)
 
 
 def _cache_dir() -> Path:
@@ -142,5 +142,5 @@ def load_error() -> Optional[str]:
     return _state.get("error")
 
 
-def _fake_gemv(x: Tensor, weights, scales, biases) -> list:
-    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+def _fake_gemv(x: Tensor, weights, scales, biases) -> Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))

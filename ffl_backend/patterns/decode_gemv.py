@@ -1,4 +1,4 @@
-"""CPU decode GEMV family: single-row linears become multiply + sum, compiled by Inductor to C++.
+"""CPU decode GEMV family: single-row linears become `fastflow_cpu::gemv` calls (or multiply + sum).
 
 A batch-1 decode step multiplies one activation row by every weight matrix once: GEMVs, bound by
 how fast the weights stream from cache. Inductor turns `(x[..., None, :] * w).sum(-1)` into one
@@ -11,6 +11,13 @@ beats the library GEMVs it replaces:
     fp32 weights   MKL F.linear                                   40  ->  multiply + sum  ~40
     fp32 weights that are exact bf16 values, read as a bf16 copy  40  ->                  58
 
+The hand-written kernel (kernels/cpu_gemv.cpp; option `cpu_gemv`, default "auto") goes further: it
+prefetches a few KB ahead, which Inductor's loop cannot, and streams int8 weights ~2x faster. Decode
+tok/s, Inductor loop -> kernel, in one process (benchmarks/ab_decode.py, option cpu_gemv "loops" vs
+default; benchmarks/results/cpu_gemv_ab_cpu.json): int8-all 80 -> 104, int8 70 -> 82, bf16 53 -> 60,
+fp32 60 -> 67. Siblings reading one row (q/k/v, gate/up) become one call (gemv_kernel.py). Where the
+kernel cannot be built the family keeps the multiply + sum loops, described next.
+
 So the family takes bf16 linears, `fastflow.int8_linear` (weight-only int8; the scale multiplies
 the sum), and fp32 linears whose weight values are all exactly representable in bf16 (a bf16
 checkpoint loaded in fp32, as SmolLM2 is): those read a bf16 copy of the weight, half the bytes,
@@ -22,8 +29,8 @@ Matched only where the activation has exactly one row and a static shape (multi-
 batched decode keep the GEMM libraries), on CPU, and only when Inductor compiles the graph: run
 eagerly the expression would materialize an (N, K) product.
 
-Numerics: products and the sum in fp32, as oneDNN and MKL accumulate, one rounding to the
-activation dtype at the end; only the summation order differs from the library kernels. (For int8
+Numerics (kernel and loops alike): products and the sum in fp32, as oneDNN and MKL accumulate, one
+rounding to the activation dtype at the end; only the summation order differs from the library kernels. (For int8
 this is closer to the reference than the ATen kernel, which first rounds fp32 activations to bf16.)
 The bf16 copy is a compile-time constant, like horizontal fusion's fused weights: changing the
 weights after compiling needs `torch._dynamo.reset()` (README, "Weights are constants").
@@ -149,7 +156,7 @@ def _rewrite_int8(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) ->
     if not _single_cpu_row(x) or not isinstance(qv, torch.Tensor) or qv.device.type != "cpu":
         return False
     if use_kernel(ctx.options) and _kernel_fits(gm, x, qweight, scale, bias):
-        kernel_gemvs.append(KernelGemv(node, x, qweight, torch.int8, scale, bias))
+        kernel_gemvs.append(KernelGemv(node, x, qweight, torch.int8, qv.shape[0], scale, bias))
     else:
         _replace(gm, node, int8_linear_rowwise, (x, qweight, scale, bias))
     return True
@@ -169,7 +176,7 @@ def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) -> bool
     else:
         return False
     if use_kernel(ctx.options) and _kernel_fits(gm, x, weight_arg, b_node):
-        kernel_gemvs.append(KernelGemv(node, x, weight_arg, torch.bfloat16, None, b_node))
+        kernel_gemvs.append(KernelGemv(node, x, weight_arg, torch.bfloat16, w.shape[0], None, b_node))
         return True  # the fp32 weight's constant (if any) is dropped once the kernel call replaced node
     _replace(gm, node, linear_rowwise, (x, weight_arg, b_node))
     if weight_arg is not w_node:

@@ -3,7 +3,8 @@
 decode_gemv decides which linears take the hand-written kernel (kernels/cpu_gemv.py) and hands them
 here as `KernelGemv` records; `emit_kernel_calls` rewrites them. Linears reading the same activation
 node with the same weight dtype and the same operands present (scale, bias) become one call, placed
-at the first of them: q/k/v (3 calls -> 1) and gate/up (2 -> 1) of an int8 Llama layer. Their weights
+at the first of them: q/k/v (3 calls -> 1) and gate/up (2 -> 1) of an int8 Llama layer; the call
+returns the outputs concatenated and each member reads its slice (a view). Their weights
 stay separate tensors -- the kernel walks a list -- so grouping costs no fused copy of the weights.
 Weights, scales and biases are graph inputs or constants, defined before any call, so moving a
 member's call up to the first member's position never reads a value before it exists.
@@ -11,7 +12,6 @@ member's call up to the first member's position never reads a value before it ex
 from __future__ import annotations
 
 import dataclasses
-import operator
 from collections import defaultdict
 from typing import Optional
 
@@ -27,6 +27,7 @@ class KernelGemv:
     x: fx.Node                 # the single activation row
     weight: fx.Node            # (N, K) int8 or bf16
     weight_dtype: torch.dtype
+    rows: int                  # N
     scale: Optional[fx.Node]   # (N,) per-output-channel scale (int8) or None
     bias: Optional[fx.Node]    # (N,) or None
 
@@ -42,8 +43,10 @@ def _emit_group(graph: fx.Graph, members: list) -> None:
     args = (members[0].x, [m.weight for m in members], scales, biases)
     with graph.inserting_before(first):
         call = graph.call_function(torch.ops.fastflow_cpu.gemv.default, args)
-        items = [graph.call_function(operator.getitem, (call, i)) for i in range(len(members))]
-    call.meta["example_value"] = [m.node.meta.get("example_value") for m in members]
+        items, start = [], 0
+        for m in members:  # each member's output: its slice of the concatenated result
+            items.append(call if len(members) == 1 else graph.call_function(torch.narrow, (call, -1, start, m.rows)))
+            start += m.rows
     for member, item in zip(members, items):
         U.copy_meta(item, member.node)
         member.node.replace_all_uses_with(item)

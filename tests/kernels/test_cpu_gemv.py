@@ -49,8 +49,8 @@ def _fp32_sum_tolerance(x, weights, scales, biases):
 @pytest.mark.parametrize("xshape", [(40,), (1, 40), (1, 1, 1, 40)])
 def test_output_takes_the_rows_shape(xshape):
     x, ws, scales, biases = _operands((9, 4), 40, torch.int8, torch.float32, True, True, xshape)
-    outs = torch.ops.fastflow_cpu.gemv(x, ws, scales, biases)
-    assert [o.shape for o in outs] == [(*xshape[:-1], 9), (*xshape[:-1], 4)]
+    out = torch.ops.fastflow_cpu.gemv(x, ws, scales, biases)
+    assert out.shape == (*xshape[:-1], 13)  # the two outputs, concatenated
 
 
 def test_threads_split_rows_across_matrix_boundaries():
@@ -88,6 +88,22 @@ def test_bad_operands_raise_clear_errors():
         gemv(x, [w, w], [torch.ones(8)], [])
     with pytest.raises(RuntimeError, match="vector of its weight's 8 rows"):
         gemv(x, [w], [torch.ones(7)], [])
+
+
+@pytest.mark.parametrize("n_weights", [1, 2])
+def test_compiles_under_inductor_and_its_cpp_wrapper(n_weights):
+    """The op inside an Inductor graph, with the Python and the C++ wrapper (torch 2.13's cpp_wrapper
+    crashed on a custom op returning a one-element tensor list: the op returns one tensor)."""
+    x, ws, scales, _ = _operands((16,) * n_weights, 32, torch.int8, torch.float32, True, False, (1, 32))
+
+    def f(x):
+        return torch.ops.fastflow_cpu.gemv(x * 2, ws, scales, []) + 1
+
+    expected = cpu_gemv.gemv_ref(x * 2, ws, scales) + 1
+    for cpp_wrapper in (False, True):
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(cpp_wrapper=cpp_wrapper):
+            torch.testing.assert_close(torch.compile(f, backend="inductor")(x), expected)
 
 
 def test_build_failure_is_reported_and_loading_says_no(monkeypatch, tmp_path):
