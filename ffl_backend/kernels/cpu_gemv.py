@@ -9,7 +9,7 @@ it is available (option `cpu_gemv`), instead of letting Inductor generate the lo
 weights it streams ~2x faster, because it prefetches ahead (cpu_gemv.cpp says why).
 
 The C++ source ships with the package and is compiled here, once per machine and source version,
-with the compiler and flags Inductor itself uses (g++ or $CXX, -O3 -march=native -fopenmp), into
+with the compiler and flags Inductor itself uses (g++ or $CXX, -O3 -march=native -fopenmp -std=c++20), into
 FFL_CACHE_DIR (default ~/.cache/ffl_backend)/cpu_kernels/. That takes ~5-10 s the first time. Where
 it cannot be built (no compiler, no torch headers, not x86/Linux) `load()` returns False once with a
 logged warning and callers keep Inductor's loop, which is correct, only slower.
@@ -71,7 +71,7 @@ def _compile_command(out: Path) -> list:
     root = Path(torch.__file__).parent
     includes = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [_compiler(), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17",
+    return [_compiler(), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in includes], str(SOURCE), "-o", str(out),
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
 
@@ -87,10 +87,11 @@ def _cpu_flags() -> str:
 
 
 def library_path() -> Path:
-    """Where the built library for this source, torch, compiler and CPU lives."""
+    """Where the built library for this source, torch, compile command and CPU lives."""
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _compiler().encode(),
-                 _cpu_flags().encode(), sys.version.encode()):
+    flags = " ".join(_compile_command(Path("out.so")))
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), flags.encode(), _cpu_flags().encode(),
+                 sys.version.encode()):
         key.update(part)
     return _cache_dir() / f"cpu_gemv_{key.hexdigest()[:16]}.so"
 

@@ -12,10 +12,10 @@ beats the library GEMVs it replaces:
     fp32 weights that are exact bf16 values, read as a bf16 copy  40  ->                  58
 
 The hand-written kernel (kernels/cpu_gemv.cpp; option `cpu_gemv`, default "auto") goes further: it
-prefetches a few KB ahead, which Inductor's loop cannot, and streams int8 weights ~2x faster. Decode
+prefetches ahead into L1 and L2, which Inductor's loop cannot, and streams int8 weights 1.3-3x faster. Decode
 tok/s, Inductor loop -> kernel, in one process (benchmarks/ab_decode.py, option cpu_gemv "loops" vs
-default; benchmarks/results/cpu_gemv_ab_cpu.json): int8-all 80 -> 104, int8 70 -> 82, bf16 53 -> 60,
-fp32 60 -> 67. Siblings reading one row (q/k/v, gate/up) become one call (gemv_kernel.py). Where the
+default; benchmarks/results/cpu_gemv_ab_cpu.json): int8 70 -> 98, int8-all 73 -> 103, bf16 52 -> 69,
+fp32 56 -> 75. Siblings reading one row (q/k/v, gate/up) become one call (gemv_kernel.py). Where the
 kernel cannot be built the family keeps the multiply + sum loops, described next.
 
 So the family takes bf16 linears, `fastflow.int8_linear` (weight-only int8; the scale multiplies
