@@ -138,9 +138,13 @@ def _operand(gm: fx.GraphModule, node):
 
 
 def _kernel_fits(gm: fx.GraphModule, x, weight, *vectors) -> bool:
-    """Whether the kernel takes these operands: its dtypes, a contiguous (N, K) weight, (N,) vectors."""
+    """Whether the kernel takes these operands: its dtypes, a contiguous (N, K) weight, (N,) vectors,
+    and no gradient to compute (the op has no backward; a training graph keeps the loops)."""
     w = _operand(gm, weight)
     if U.dtype_of(x) not in cpu_gemv.ACTIVATION_DTYPES or not isinstance(w, torch.Tensor):
+        return False
+    operands = [U.value(x), w, *(_operand(gm, v) for v in vectors if v is not None)]
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in operands):
         return False
     if w.dtype not in cpu_gemv.WEIGHT_DTYPES or w.dim() != 2 or not w.is_contiguous():
         return False

@@ -157,3 +157,20 @@ def test_kernel_option_requires_the_kernel(monkeypatch):
     assert calls == 0 and report.matches["decode_gemv"] == 4 * LAYERS + 1
     with pytest.raises(Exception, match="no compiler here"):
         _decode(model, "kernel")
+
+
+def test_graphs_that_need_gradients_keep_the_loops():
+    """The op has no backward: a single-row linear compiled with gradients on stays Inductor's loop
+    (and trains), while the same linear under no_grad takes the kernel."""
+    lin = torch.nn.Linear(48, 24, dtype=torch.bfloat16)
+    x = torch.randn(1, 48, dtype=torch.bfloat16)
+    compiled = torch.compile(lin, backend="fastflow", options={"on_error": "raise"})
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(x).float().sum().backward()
+    assert not any(e.key == "fastflow_cpu::gemv" for e in prof.key_averages())
+    expected = torch.ones(24, 1, dtype=torch.bfloat16) @ x  # d(sum(x W^T + b))/dW
+    torch.testing.assert_close(lin.weight.grad, expected)
+    torch._dynamo.reset()
+    with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.compile(lin, backend="fastflow", options={"on_error": "raise"})(x)
+    assert any(e.key == "fastflow_cpu::gemv" for e in prof.key_averages())
