@@ -174,3 +174,29 @@ def test_graphs_that_need_gradients_keep_the_loops():
     with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         torch.compile(lin, backend="fastflow", options={"on_error": "raise"})(x)
     assert any(e.key == "fastflow_cpu::gemv" for e in prof.key_averages())
+
+
+def _kernel_calls(fn) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "fastflow_cpu::gemv")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_eager_int8_single_rows_take_the_kernel(dtype):
+    """Eager `fastflow.int8_linear` on one row runs the kernel (fp32 math: the reference's numerics);
+    several rows, and plain Inductor graphs, keep torch's int8 kernel."""
+    from ffl_backend.kernels.quant_linear import int8_linear_ref
+    from ffl_backend.quant import primitives as P
+
+    w, b = torch.randn(40, 96, dtype=dtype), torch.randn(40, dtype=dtype)
+    q, s = P.quantize_int8(w)
+    one, three = torch.randn(1, 1, 96, dtype=dtype), torch.randn(1, 3, 96, dtype=dtype)
+    op = torch.ops.fastflow.int8_linear
+    assert _kernel_calls(lambda: op(one, q, s, b)) == 1
+    assert_matches_reference(op(one, q, s, b), int8_linear_ref, (one, q, s, b), interpreted=False)
+    assert _kernel_calls(lambda: op(three, q, s, b)) == 0
+    cpu_scale = s.to(torch.bfloat16)  # what quantized modules pass (Inductor's int8pack lowering needs it)
+    compiled = torch.compile(lambda x: op(x, q, s, b, cpu_scale), backend="inductor")
+    compiled(one)
+    assert _kernel_calls(lambda: compiled(one)) == 0
