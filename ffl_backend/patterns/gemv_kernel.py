@@ -6,8 +6,9 @@ node with the same weight dtype and the same operands present (scale, bias) beco
 at the first of them: q/k/v (3 calls -> 1) and gate/up (2 -> 1) of an int8 Llama layer; the call
 returns the outputs concatenated and each member reads its slice (a view). Their weights
 stay separate tensors -- the kernel walks a list -- so grouping costs no fused copy of the weights.
-Weights, scales and biases are graph inputs or constants, defined before any call, so moving a
-member's call up to the first member's position never reads a value before it exists.
+Weights, scales and biases are graph inputs or constants (get_attr nodes, hoisted above the call when
+a later member's constant sits below the first member), so moving a member's call up to the first
+member's position never reads a value before it exists.
 """
 from __future__ import annotations
 
@@ -36,11 +37,20 @@ def _group_key(g: KernelGemv):
     return g.x, g.weight_dtype, g.scale is None, g.bias is None
 
 
+def _hoist_constants(graph: fx.Graph, nodes: list, before: fx.Node) -> None:
+    """Move get_attr nodes that come after `before` up to just before it (they read no other node)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in nodes:
+        if isinstance(node, fx.Node) and node.op == "get_attr" and order[node] > order[before]:
+            before.prepend(node)
+
+
 def _emit_group(graph: fx.Graph, members: list) -> None:
     first = members[0].node
     scales = [m.scale for m in members] if members[0].scale is not None else []
     biases = [m.bias for m in members] if members[0].bias is not None else []
     args = (members[0].x, [m.weight for m in members], scales, biases)
+    _hoist_constants(graph, [*args[1], *scales, *biases], first)
     with graph.inserting_before(first):
         call = graph.call_function(torch.ops.fastflow_cpu.gemv.default, args)
         items, start = [], 0

@@ -201,3 +201,26 @@ def test_eager_int8_single_rows_take_the_kernel(dtype):
     compiled = torch.compile(lambda x: op(x, q, s, b, cpu_scale), backend="inductor")
     compiled(one)
     assert _kernel_calls(lambda: compiled(one)) == 0
+
+
+def test_grouping_hoists_a_later_members_constant_weight():
+    """Two linears on one row whose second weight is a constant defined after the first linear (as a
+    fused weight can be): the grouped call goes before the first, so that constant moves up."""
+    import torch.fx as fx
+
+    from ffl_backend.patterns.gemv_kernel import KernelGemv, emit_kernel_calls
+
+    gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
+    gm.w1, gm.w2 = torch.randn(8, 16).bfloat16(), torch.randn(4, 16).bfloat16()
+    g = gm.graph
+    x = g.placeholder("x")
+    lin1 = g.call_function(torch.nn.functional.linear, (x, g.get_attr("w1")))
+    lin2 = g.call_function(torch.nn.functional.linear, (x, g.get_attr("w2")))
+    g.output((lin1, lin2))
+    members = [KernelGemv(lin, x, lin.args[1], torch.bfloat16, rows, None, None) for lin, rows in ((lin1, 8), (lin2, 4))]
+    emit_kernel_calls(gm, members)
+    g.lint()
+    gm.recompile()
+    row = torch.randn(1, 16, dtype=torch.bfloat16)
+    for out, w in zip(gm(row), (gm.w1, gm.w2)):
+        assert_matches_reference(out, cpu_gemv.gemv_ref, (row, [w]), interpreted=False)
