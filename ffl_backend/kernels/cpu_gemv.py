@@ -56,6 +56,23 @@ def gemv_ref(x: Tensor, weights: Sequence[Tensor], scales: Sequence[Tensor] = ()
     return torch.cat(outs, -1)
 
 
+def takes(x, weight, *vectors) -> bool:
+    """Whether the op accepts these operands (real or fake tensors; None vectors are absent): one row
+    of a supported dtype, a contiguous (N, K) int8/bf16 weight, floating (N,) scale/bias vectors, and
+    no gradient to compute -- the op has no backward. The one definition both callers use."""
+    if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or x.dim() < 1:
+        return False
+    if x.dtype not in ACTIVATION_DTYPES or x.numel() != x.shape[-1]:
+        return False
+    if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2 or not weight.is_contiguous():
+        return False
+    vectors = [v for v in vectors if v is not None]
+    if any(not isinstance(v, Tensor) or tuple(v.shape) != (weight.shape[0],) or not v.is_floating_point()
+           for v in vectors):
+        return False
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *vectors)))
+
+
 def _cache_dir() -> Path:
     from ..models import DEFAULT_CACHE
 

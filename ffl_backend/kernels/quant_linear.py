@@ -105,13 +105,7 @@ def int4_cpu_pack(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int)
 def _single_row_kernel_applies(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether an eager single-row int8 call can take the C++ decode GEMV (`cpu_gemv`). Never while
     compiling: there the decode_gemv family decides, and plain Inductor keeps torch's kernel."""
-    if torch.compiler.is_compiling() or x.numel() != x.shape[-1] or x.dtype not in cpu_gemv.ACTIVATION_DTYPES:
-        return False
-    if torch.is_grad_enabled() and x.requires_grad:  # the kernel has no backward
-        return False
-    if scale.dim() != 1 or (bias is not None and bias.dim() != 1) or not qweight.is_contiguous():
-        return False
-    return cpu_gemv.load()
+    return not torch.compiler.is_compiling() and cpu_gemv.takes(x, qweight, scale, bias) and cpu_gemv.load()
 
 
 def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],

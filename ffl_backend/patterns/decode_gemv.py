@@ -138,20 +138,10 @@ def _operand(gm: fx.GraphModule, node):
 
 
 def _kernel_fits(gm: fx.GraphModule, x, weight, *vectors) -> bool:
-    """Whether the kernel takes these operands: its dtypes, a contiguous (N, K) weight, (N,) vectors,
-    and no gradient to compute (the op has no backward; a training graph keeps the loops)."""
-    w = _operand(gm, weight)
-    if U.dtype_of(x) not in cpu_gemv.ACTIVATION_DTYPES or not isinstance(w, torch.Tensor):
-        return False
-    operands = [U.value(x), w, *(_operand(gm, v) for v in vectors if v is not None)]
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in operands):
-        return False
-    if w.dtype not in cpu_gemv.WEIGHT_DTYPES or w.dim() != 2 or not w.is_contiguous():
-        return False
-    for v in (_operand(gm, v) for v in vectors if v is not None):
-        if not isinstance(v, torch.Tensor) or tuple(v.shape) != (w.shape[0],) or not v.is_floating_point():
-            return False
-    return True
+    """Whether the kernel takes these operand nodes (see `cpu_gemv.takes`); a present vector whose
+    value is unknown does not fit."""
+    values = [_operand(gm, v) for v in vectors if v is not None]
+    return all(v is not None for v in values) and cpu_gemv.takes(U.value(x), _operand(gm, weight), *values)
 
 
 def _rewrite_int8(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) -> bool:

@@ -63,12 +63,11 @@ def _emit_group(graph: fx.Graph, members: list) -> None:
     U.erase_dead(graph, [m.node for m in members])
 
 
-def emit_kernel_calls(gm: fx.GraphModule, gemvs: list) -> int:
-    """Replace `gemvs` (in graph order) by grouped kernel calls; returns how many linears were replaced."""
+def emit_kernel_calls(gm: fx.GraphModule, gemvs: list) -> None:
+    """Replace `gemvs` (in graph order) by grouped kernel calls."""
     groups = defaultdict(list)
     for g in gemvs:
         groups[_group_key(g)].append(g)
     for members in groups.values():
         _emit_group(gm.graph, members)
-    return len(gemvs)
 

@@ -224,3 +224,18 @@ def test_grouping_hoists_a_later_members_constant_weight():
     row = torch.randn(1, 16, dtype=torch.bfloat16)
     for out, w in zip(gm(row), (gm.w1, gm.w2)):
         assert_matches_reference(out, cpu_gemv.gemv_ref, (row, [w]), interpreted=False)
+
+
+def test_takes_states_what_the_op_accepts():
+    """`cpu_gemv.takes`, shared by decode_gemv and the eager int8 path: each refusal, one at a time."""
+    x, w, s = torch.randn(1, 1, 32), torch.randint(-5, 5, (8, 32), dtype=torch.int8), torch.rand(8)
+    assert cpu_gemv.takes(x, w, s, None)
+    assert not cpu_gemv.takes(torch.randn(2, 32), w, s)                       # two rows
+    assert not cpu_gemv.takes(x.to(torch.float64), w, s)                      # activation dtype
+    assert not cpu_gemv.takes(x, torch.randn(8, 32), s)                       # fp32 weight
+    assert not cpu_gemv.takes(x, torch.randint(-5, 5, (32, 8), dtype=torch.int8).T, s)  # not contiguous
+    assert not cpu_gemv.takes(x, w, torch.rand(7))                            # vector length
+    assert not cpu_gemv.takes(x, w, torch.ones(8, dtype=torch.int32))         # integer vector
+    assert not cpu_gemv.takes(x.clone().requires_grad_(), w, s)               # needs a backward
+    with torch.no_grad():
+        assert cpu_gemv.takes(x.clone().requires_grad_(), w, s)
