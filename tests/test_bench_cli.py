@@ -100,6 +100,10 @@ def test_tiny_model_end_to_end(tiny_folder, tmp_path):
         assert r["decode_tok_s"] > 0 and r["ttft_s"] > 0 and r["weight_bytes"] > 0
         assert r["tokens_equal_eager"] and r["matching_prefix"] == 6  # fp32 greedy: same tokens
     assert eager["compile_warm_s"] is None and inductor["compile_warm_s"] >= 0
+    for r in (eager, inductor):  # the runtime is imported before the model: its RSS is part of the peak
+        assert 0 < r["runtime_rss_mb"] < r["peak_rss_mb"]
+        assert r["model_peak_rss_mb"] == pytest.approx(r["peak_rss_mb"] - r["runtime_rss_mb"])
+    assert inductor["runtime_rss_mb"] > eager["runtime_rss_mb"]  # Inductor's own import
     assert inductor["recompiles"] == 0 and inductor["graphs_compiled_while_timed"] == 0
     assert inductor["speedup_vs_inductor"] == pytest.approx(1.0)
 

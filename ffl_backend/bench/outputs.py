@@ -14,7 +14,7 @@ CSV_COLUMNS = (
     "backend", "dtype", "quant", "batch", "prompt_len", "new_tokens", "repeats",
     "load_s", "quantize_s", "compile_cold_s", "compile_warm_s",
     "ttft_s", "prefill_tok_s", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "decode_spread_pct",
-    "speedup_vs_inductor", "peak_rss_mb", "cuda_peak_mb",
+    "speedup_vs_inductor", "peak_rss_mb", "runtime_rss_mb", "model_peak_rss_mb", "cuda_peak_mb",
     "weight_bytes", "effective_gbs", "ceiling_gbs", "pct_of_ceiling",
     "recompiles", "graphs_compiled_while_timed", "matching_prefix", "tokens_equal_eager", "rows_equal", "error",
 )
@@ -36,7 +36,7 @@ def _agreement_cell(r: dict) -> str:
 def table(grid: dict) -> str:
     """A markdown table (also what the terminal shows)."""
     rows = ["| configuration | decode tok/s median (min-max) | vs inductor | TTFT ms | prefill tok/s | "
-            "compile s cold / warm | load s | peak RSS MB | weights GB/s (% of ceiling) | recompiles | "
+            "compile s cold / warm | load s | peak RSS MB (above runtime) | weights GB/s (% of ceiling) | recompiles | "
             "tokens = eager |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in grid["results"]:
@@ -51,7 +51,7 @@ def table(grid: dict) -> str:
             f"{1000 * r['ttft_s']:.0f} | {_fmt(r.get('prefill_tok_s'), '.0f')} | "
             f"{_fmt(r.get('compile_cold_s', r.get('first_generate_s')), '.1f')} / "
             f"{_fmt(r.get('compile_warm_s'), '.1f')} | {_fmt(r.get('load_s'), '.1f')} | "
-            f"{r['peak_rss_mb']:.0f} | {_fmt(r.get('effective_gbs'), '.1f')} "
+            f"{r['peak_rss_mb']:.0f} ({_fmt(r.get('model_peak_rss_mb'), '.0f')}) | {_fmt(r.get('effective_gbs'), '.1f')} "
             f"({_fmt(r.get('pct_of_ceiling'), '.0f')}%) | {_fmt(r.get('recompiles'), 'd')} | "
             f"{_agreement_cell(r)} |")
     return "\n".join(rows)
@@ -65,7 +65,9 @@ def header(grid: dict) -> str:
              f"{env['torch_threads']} threads; {env['date']}.",
              f"{st.get('new_tokens')} new tokens, greedy; median of {st.get('repeats')} timed generates after "
              f"{st.get('warmup')} warm-up (the first compiles). Each configuration in its own process with its "
-             f"own Inductor cache; *warm* compile = a second process reusing that on-disk cache. Read ceiling "
+             f"own Inductor cache; *warm* compile = a second process reusing that on-disk cache. Peak RSS in "
+             f"brackets: above the runtime's own RSS (torch, transformers, the modeling code and, when compiling, "
+             f"Inductor, imported before the model loads). Read ceiling "
              f"of this machine: {_fmt(bw.get('dram_read_gbs'), '.1f')} GB/s from DRAM (1 GiB), "
              f"{_fmt(bw.get('cache_read_gbs'), '.1f')} GB/s in cache (32 MiB); each row's % is against a "
              f"buffer of its own weight bytes. *tokens = eager*: leading greedy tokens equal to unquantized eager of "

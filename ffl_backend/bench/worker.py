@@ -102,6 +102,30 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
+def _current_rss_mb() -> float | None:
+    """This process's resident set now (Linux /proc), or None where it cannot be read."""
+    try:
+        with open("/proc/self/status") as fh:
+            return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):
+        return None
+
+
+def import_runtime(cfg: dict) -> float | None:
+    """Import what this configuration runs on before any model exists -- torch, transformers and
+    the model's modeling code, and Inductor for compiled backends -- and return the RSS that leaves
+    (the runtime's share of the peak, which no choice of weights changes)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = transformers.AutoConfig.from_pretrained(cfg["model"])
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # imports the modeling module
+    if cfg["backend"] != "eager":
+        import torch._inductor.compile_fx  # noqa: F401  (Dynamo's compile imports it on first use anyway)
+    return _current_rss_mb()
+
+
 def load_model(cfg: dict):
     """(model, tokenizer, load seconds, quantize seconds) for a config with keys model, dtype and
     optionally device and quant (a quantize() scheme or preset)."""
@@ -134,6 +158,7 @@ def run_one(cfg: dict) -> dict:
 
     if cfg.get("threads"):
         torch.set_num_threads(cfg["threads"])
+    runtime_rss_mb = import_runtime(cfg)
     model, tok, load_s, quantize_s = load_model(cfg)
     ids = prompt_ids(tok, cfg["prompt_len"], cfg.get("text")).repeat(cfg.get("batch", 1), 1)
     ids = ids.to(cfg.get("device", "cpu"))
@@ -150,6 +175,9 @@ def run_one(cfg: dict) -> dict:
     graphs_before = _graphs()
     runs = [time_generate(model, ids, cfg["new_tokens"]) for _ in range(cfg["repeats"])]
     out.update(_summarize(model, cfg, first, runs, graphs_before))
+    out["runtime_rss_mb"] = runtime_rss_mb
+    # What loading, quantizing, compiling and running this model added to the process's peak.
+    out["model_peak_rss_mb"] = out["peak_rss_mb"] - runtime_rss_mb if runtime_rss_mb is not None else None
     return out
 
 

@@ -8,7 +8,7 @@ from torch import nn
 
 from . import calibration
 from .config import QuantConfig, resolve, resolve_steps
-from .file_pages import copy_out_of_file_mappings
+from .file_pages import copy_out_of_file_mappings, file_mappings, page_out, release_free_heap
 from .modules import MODULES, Int8Embedding, Int8Linear, QuantizedModule
 
 logger = logging.getLogger("ffl_backend")
@@ -79,6 +79,7 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     if len(steps) > 1:
         getattr(model, STATE_ATTR)["config"] = [step.to_dict() for step in steps]
     copy_out_of_file_mappings(model, skip=(QuantizedModule,))  # lets the replaced weights' pages go
+    release_free_heap()
     return model
 
 
@@ -94,10 +95,12 @@ def _quantize_step(model: nn.Module, cfg: QuantConfig, calibration_data) -> None
         logger.warning("quantize(%s): no nn.Linear layer matched include=%s skip=%s", cfg.scheme, cfg.include, cfg.skip)
     extra = _calibrate(model, targets, cfg, calibration_data, kept)
     by_weight = {}  # id of a replaced linear's weight -> its quantized module (to share tied tables)
+    mappings = file_mappings()
     for name in list(targets):
         linear = targets.pop(name)  # drop our reference so the high-precision weight can be freed
         by_weight[id(linear.weight)] = MODULES[cfg.scheme].from_linear(linear, cfg, **extra.get(name, {}))
         _set_module(model, name, by_weight[id(linear.weight)])
+        page_out(linear.weight, mappings)  # a checkpoint's pages it read: not needed any more
         del linear
     _quantize_embeddings(model, cfg, by_weight, kept)
     state = getattr(model, STATE_ATTR, {"config": cfg.to_dict(), "kept": {}})
