@@ -36,7 +36,7 @@ def _stored(scale: Tensor, dtype: torch.dtype) -> Tensor:
 
 # Rows are quantized in blocks of about this many elements: rows are independent, and a whole
 # 49152 x 576 embedding at once would hold ~3 float copies of it (~340 MB) at the peak.
-INT8_BLOCK_ELEMENTS = 1 << 22
+INT8_BLOCK_ELEMENTS = 1 << 20
 
 
 def quantize_int8(w: Tensor, scale_dtype: torch.dtype | None = None,
