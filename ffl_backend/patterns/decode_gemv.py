@@ -156,19 +156,36 @@ def _rewrite_int8(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) ->
     return True
 
 
+def _reads_as_bf16(ctx, x, w: Optional[Tensor]) -> bool:
+    """Whether this family takes the single-row linear x @ w.T and reads w as bf16: a bf16 weight,
+    or an fp32 one whose values are all bf16 (read through a bf16 copy)."""
+    if w is None or w.device.type != "cpu" or not _single_cpu_row(x) or U.dtype_of(x) != w.dtype:
+        return False
+    return w.dtype == torch.bfloat16 or (
+        w.dtype == torch.float32 and ctx.options.bf16_exact_weights and is_bf16_exact(w))
+
+
+def kernel_reads_siblings(ctx, x, weights, biases) -> bool:
+    """Whether this family will hand every one of these linears of the row `x` to the kernel, which
+    reads siblings in one call (gemv_kernel.py) -- so fusing them first would only copy weights."""
+    if not (ctx.options.inductor and "decode_gemv" in ctx.options.patterns) or not use_kernel(ctx.options):
+        return False
+    for w, b in zip(weights, biases):
+        if not _reads_as_bf16(ctx, x, w):
+            return False
+        as_read = w if w.dtype == torch.bfloat16 else torch.empty(w.shape, dtype=torch.bfloat16, device="meta",
+                                                                  requires_grad=w.requires_grad)
+        if not cpu_gemv.takes(U.value(x), as_read, b):
+            return False
+    return True
+
+
 def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) -> bool:
     x, w_node, b_node = node.args[0], U.arg(node, 1, "weight"), U.arg(node, 2, "bias")
     w = _weight_tensor(w_node, ctx)
-    if w is None or w.device.type != "cpu" or not _single_cpu_row(x) or U.dtype_of(x) != w.dtype:
+    if not _reads_as_bf16(ctx, x, w):
         return False
-    if w.dtype == torch.float32:
-        if not (ctx.options.bf16_exact_weights and is_bf16_exact(w)):
-            return False
-        weight_arg = _compact_weight(gm, w_node, w)
-    elif w.dtype == torch.bfloat16:
-        weight_arg = w_node
-    else:
-        return False
+    weight_arg = _compact_weight(gm, w_node, w) if w.dtype == torch.float32 else w_node
     if use_kernel(ctx.options) and _kernel_fits(gm, x, weight_arg, b_node):
         kernel_gemvs.append(KernelGemv(node, x, weight_arg, torch.bfloat16, w.shape[0], None, b_node))
         return True  # the fp32 weight's constant (if any) is dropped once the kernel call replaced node

@@ -151,7 +151,8 @@ def test_decode_uses_grouped_kernel_calls_and_matches_inductor_loops(scheme, dty
     assert loop_calls == (1 if scheme else 0)
     steps = len(kernel.logits) - 1  # the first token comes from the prefill
     assert kernel_calls == steps * (4 * LAYERS + 1) + loop_calls
-    assert report.matches["decode_gemv"] == (7 if scheme else 4) * LAYERS + 1
+    # bf16 q/k/v and gate/up are not fused first: the kernel reads them from their own weights
+    assert report.matches["decode_gemv"] == 7 * LAYERS + 1 and report.matches["horizontal"] == 0
     if dtype == torch.float32:
         assert torch.equal(kernel.sequences, loops.sequences)
     for a, b in zip(kernel.logits, loops.logits):

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import ffl_backend
 from ffl_backend.generation import configure_generate
-from ffl_backend.kernels import weight_cache
+from ffl_backend.kernels import cpu_gemv, weight_cache
 from ffl_backend.patterns.decode_gemv import is_bf16_exact, linear_rowwise
 from tests.helpers import assert_matches_reference
 from tests.tiny_models import LAYERS, tiny_model
@@ -103,9 +103,13 @@ def test_rowwise_expression_equals_linear_in_eager():
     torch.testing.assert_close(linear_rowwise(x, w, b), F.linear(x, w, b))
 
 
-def test_bf16_exact_fp32_model_decodes_like_eager():
-    """A tiny Llama whose fp32 weights are bf16 values: every decode linear (fused q/k/v, o, fused
-    gate/up, down, lm_head) runs on a bf16 copy, and greedy tokens equal eager's."""
+@pytest.mark.parametrize("cpu_gemv_option", ["auto", "loops"])
+def test_bf16_exact_fp32_model_decodes_like_eager(cpu_gemv_option):
+    """A tiny Llama whose fp32 weights are bf16 values: every decode linear runs on a bf16 copy, and
+    greedy tokens equal eager's. The loops read fused q/k/v and gate/up (4 linears per layer: qkv, o,
+    gate_up, down); the kernel reads all 7 from their own weights, unfused (no fused copy)."""
+    if cpu_gemv_option == "auto" and not cpu_gemv.load():
+        pytest.skip(f"CPU GEMV kernel unavailable: {cpu_gemv.load_error()}")
     model = tiny_model("llama")
     with torch.no_grad():
         for p in model.parameters():
@@ -117,11 +121,12 @@ def test_bf16_exact_fp32_model_decodes_like_eager():
     eager = model.generate(ids, **kw)
     torch._dynamo.reset()
     ffl_backend.clear_reports()
-    configure_generate(model, backend="fastflow", options={"on_error": "raise"})
+    configure_generate(model, backend="fastflow", options={"on_error": "raise", "cpu_gemv": cpu_gemv_option})
     fast = model.generate(ids, **kw)
     assert torch.equal(fast.sequences, eager.sequences)
     for a, b in zip(fast.logits, eager.logits):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     rep = ffl_backend.last_report()
-    assert rep.matches["decode_gemv"] == 4 * LAYERS + 1
+    expected = {"auto": (0, 7 * LAYERS + 1), "loops": (2 * LAYERS, 4 * LAYERS + 1)}[cpu_gemv_option]
+    assert (rep.matches["horizontal"], rep.matches["decode_gemv"]) == expected
     assert "packed_linear" not in rep.ops
