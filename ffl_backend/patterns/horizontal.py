@@ -26,6 +26,7 @@ import torch.fx as fx
 from . import fx_utils as U
 from .decode_gemv import kernel_reads_siblings
 from .int4_siblings import fuse_int4_siblings
+from .siblings import shared_base, sibling_groups
 
 FUSED_PREFIX = "_fastflow_fused_weight"
 
@@ -44,26 +45,11 @@ def _candidate(node, ctx):
     return x, w, b
 
 
-def _shared_base(tensors):
-    """A tensor over the storage these already fill as consecutive row blocks (the layout
-    `share_fused_storage` makes), or None. Detected by storage and offsets: `.data` re-pointing
-    does not set `_base`."""
-    first = tensors[0]
-    ptr, offset = first.untyped_storage().data_ptr(), first.storage_offset()
-    for t in tensors:
-        if t.untyped_storage().data_ptr() != ptr or t.storage_offset() != offset or not t.is_contiguous():
-            return None
-        offset += t.numel()
-    rows = sum(t.shape[0] for t in tensors)
-    return first.detach().new_empty(0).set_(first.untyped_storage(), first.storage_offset(),
-                                            (rows, *first.shape[1:]))
-
-
 @torch.no_grad()
 def _fuse_tensors(tensors):
     """cat(tensors) along dim 0 -- or, when they already are consecutive slices of one tensor
     (see `share_fused_storage`), that tensor itself, so nothing is copied."""
-    base = _shared_base(tensors)
+    base = shared_base(tensors)
     return base if base is not None else torch.cat([t.detach() for t in tensors], dim=0)
 
 
@@ -89,7 +75,7 @@ def _fuse_dense(gm: fx.GraphModule, ctx) -> int:
         if len({id(w) for w in weights}) != len(weights):
             ctx.decline("horizontal", nodes[0], "the same weight appears twice")
             continue
-        if _shared_base(list(weights)) is None and kernel_reads_siblings(ctx, x, weights, biases):
+        if shared_base(list(weights)) is None and kernel_reads_siblings(ctx, x, weights, biases):
             ctx.decline("horizontal", nodes[0], "the CPU decode kernel reads these siblings in one call; "
                         "a fused copy would only add their size in memory")
             continue
@@ -110,10 +96,6 @@ def _fuse_dense(gm: fx.GraphModule, ctx) -> int:
     return count
 
 
-# Sibling projections HF models keep separate; fused when they read the same input.
-FUSABLE_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-
-
 @torch.no_grad()
 def _share(params) -> None:
     fused = torch.cat([p.detach() for p in params], dim=0)
@@ -129,16 +111,12 @@ def share_fused_storage(model: torch.nn.Module) -> int:
     horizontal pass uses that tensor as the fused weight and copies nothing. Values and parameter
     objects are unchanged; returns the number of groups shared. Call before compiling."""
     groups = 0
-    for module in model.modules():
-        for names in FUSABLE_SIBLINGS:
-            linears = [getattr(module, n, None) for n in names]
-            if not all(isinstance(m, torch.nn.Linear) for m in linears):
-                continue
-            if len({(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in linears}) != 1:
-                continue
-            if _shared_base([m.weight for m in linears]) is None:
-                _share([m.weight for m in linears])
-                if linears[0].bias is not None:
-                    _share([m.bias for m in linears])
-            groups += 1
+    for linears in sibling_groups(model, torch.nn.Linear):
+        if len({(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in linears}) != 1:
+            continue
+        if shared_base([m.weight for m in linears]) is None:
+            _share([m.weight for m in linears])
+            if linears[0].bias is not None:
+                _share([m.bias for m in linears])
+        groups += 1
     return groups

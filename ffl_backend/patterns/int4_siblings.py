@@ -8,14 +8,18 @@ read the same activation -- are fused into one call each, as `horizontal` does f
 int8 linears are left alone: their decode GEMVs are Inductor loops (decode_gemv), where fusing
 measured no gain and would cost a fused copy of the weights.
 
-The fused weight is packed afresh from the concatenated portable form (codes, scales, zeros):
-torch's CPU packing blocks rows in 64s, so concatenating packed tensors is wrong unless every
-member but the last has a multiple of 64 rows (tests/patterns/test_int4_siblings.py). It is a
-compile-time constant made once per set of weights (weight_cache), like the dense fused weights:
-changing weights after compiling needs `torch._dynamo.reset()`.
+torch's CPU packing blocks rows in 64s, so concatenating packed tensors is right only when every
+member but the last has a multiple of 64 rows (tests/patterns/test_int4_siblings.py). Where it is,
+`share_sibling_packs` (run by quantize() and the loaders) already made the members' packs consecutive
+slices of one tensor, and the fusion uses that tensor: no copy (SmolLM2: q/k/v 576+192+192 rows,
+gate/up 1536+1536, all shareable). Elsewhere the fused weight is packed afresh from the
+concatenated portable form (codes, scales, zeros), a compile-time constant made once per set of
+weights (weight_cache), like the dense fused weights: changing weights after compiling needs
+`torch._dynamo.reset()`.
 """
 from __future__ import annotations
 
+import functools
 import operator
 from collections import defaultdict
 
@@ -26,6 +30,7 @@ from torch import Tensor
 from ..kernels import weight_cache
 from ..kernels.quant_linear import int4_cpu_linear, int4_cpu_pack
 from . import fx_utils as U
+from .siblings import shared_base, sibling_groups
 
 FUSED_PREFIX = "_fastflow_int4_fused"
 
@@ -40,7 +45,8 @@ def _member(node: fx.Node, ctx):
     b_node = U.arg(node, 5, "bias")
     bias = ctx.tensor(b_node) if b_node is not None else None
     if (any(t is None for t in portable) or (b_node is not None and bias is None) or not isinstance(group_size, int)
-            or ctx.tensor(U.arg(node, 6, "cpu_packed")) is None or portable[0].device.type != "cpu"):
+            or ctx.tensor(U.arg(node, 6, "cpu_packed")) is None or ctx.tensor(U.arg(node, 7, "cpu_scale_zeros")) is None
+            or portable[0].device.type != "cpu"):
         return None
     return node.args[0], group_size, portable, bias
 
@@ -50,12 +56,56 @@ def _key(kind: str, tensors: list) -> str:
     return kind + ":" + ",".join(f"{t.data_ptr()}/{t._version}" for t in tensors[1:])
 
 
-def _fused_pack(portables: list, group_size: int):
-    """torch's CPU form (packed, scale_zeros) of the row-concatenated weights, or (None, None)."""
+def _fused_pack(portables: list, packs: list, scale_zeros: list, group_size: int):
+    """torch's CPU form (packed, scale_zeros) of the row-concatenated weights, or (None, None): the
+    members' own packs when they already are consecutive slices of one tensor, else a new pack."""
+    base = shared_base(packs)
+    if base is not None:
+        return base, weight_cache.derived(_key("int4_scale_zeros", scale_zeros), scale_zeros[0],
+                                          lambda _: torch.cat(scale_zeros, dim=1))
+
     def make(_):
         q, s, z = (torch.cat([p[i] for p in portables]) for i in range(3))
         return int4_cpu_pack(q, s, z, group_size)
     return weight_cache.derived(_key("int4_siblings", [p[0] for p in portables]), portables[0][0], make)
+
+
+@functools.lru_cache(maxsize=None)
+def _packs_concatenate(rows: tuple, in_features: int, group_size: int) -> bool:
+    """Whether torch's CPU pack of row-concatenated int4 weights equals the concatenation of each
+    part's pack, for parts of these row counts (checked on the real packing, once per shape)."""
+    from ..quant import primitives as P
+
+    gen = torch.Generator().manual_seed(0)
+    codes = [torch.randint(0, 16, (n, in_features), dtype=torch.uint8, generator=gen) for n in rows]
+    scales = [torch.ones(n, in_features // group_size, dtype=torch.bfloat16) for n in rows]
+    parts = [int4_cpu_pack(P.pack_int4(q), s, s, group_size)[0] for q, s in zip(codes, scales)]
+    whole = int4_cpu_pack(P.pack_int4(torch.cat(codes)), torch.cat(scales), torch.cat(scales), group_size)[0]
+    return whole is not None and all(p is not None for p in parts) and torch.equal(torch.cat(parts), whole)
+
+
+@torch.no_grad()
+def share_sibling_packs(model: torch.nn.Module) -> int:
+    """Re-point the torch CPU packs of sibling int4 linears (q/k/v, gate/up) to consecutive slices of
+    one tensor where that tensor is exactly the pack of their concatenation, so fusing them later
+    copies nothing. Values and results are unchanged; returns the number of groups sharing one pack."""
+    from ..quant.modules import Int4Linear
+
+    shared = 0
+    for members in sibling_groups(model, Int4Linear):
+        if any(m.cpu_packed is None for m in members) or len({(m.in_features, m.group_size) for m in members}) != 1:
+            continue
+        packs = [m.cpu_packed for m in members]
+        if shared_base(packs) is None:
+            rows = tuple(m.out_features for m in members)
+            if not _packs_concatenate(rows, members[0].in_features, members[0].group_size):
+                continue
+            fused, start = torch.cat(packs), 0
+            for m in members:
+                m.cpu_packed = fused[start:start + m.out_features]
+                start += m.out_features
+        shared += 1
+    return shared
 
 
 def _constant(gm: fx.GraphModule, tensor: Tensor) -> fx.Node:
@@ -79,7 +129,8 @@ def fuse_int4_siblings(gm: fx.GraphModule, ctx) -> int:
         if len({p[0].data_ptr() for p in portables}) != len(portables):
             ctx.decline("horizontal", nodes[0], "the same int4 weight appears twice")
             continue
-        packed, scale_zeros = _fused_pack(list(portables), group_size)
+        packed, scale_zeros = _fused_pack(list(portables), [ctx.tensor(U.arg(n, 6, "cpu_packed")) for n in nodes],
+                                          [ctx.tensor(U.arg(n, 7, "cpu_scale_zeros")) for n in nodes], group_size)
         if packed is None:
             ctx.decline("horizontal", nodes[0], "torch's CPU int4 pack refuses the fused shape")
             continue

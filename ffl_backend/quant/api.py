@@ -79,6 +79,7 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     if len(steps) > 1:
         getattr(model, STATE_ATTR)["config"] = [step.to_dict() for step in steps]
     copy_out_of_file_mappings(model, skip=(QuantizedModule,))  # lets the replaced weights' pages go
+    share_cpu_forms(model)
     release_free_heap()
     return model
 
@@ -183,6 +184,14 @@ def _dynamic_fallbacks(cfg: QuantConfig, token_absmax: dict) -> set:
                        "token range ratio > %g (worst: %s)", len(dynamic), len(ratios), cfg.static_range_limit,
                        ", ".join(f"{n} {ratios[n]:.0f}x" for n in worst))
     return dynamic
+
+
+def share_cpu_forms(model: nn.Module) -> None:
+    """Lay out the CPU forms of sibling quantized linears so compiled code can read them as one
+    tensor without a fused copy (int4 packs, patterns/int4_siblings.py). After quantizing or loading."""
+    from ..patterns.int4_siblings import share_sibling_packs
+
+    share_sibling_packs(model)
 
 
 def quantized_modules(model: nn.Module) -> dict[str, QuantizedModule]:

@@ -27,7 +27,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING, register_quanti
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .api import STATE_ATTR, _set_module, quantize, quantized_modules
+from .api import STATE_ATTR, _set_module, quantize, quantized_modules, share_cpu_forms
 from .modules import build_module, replaced_type
 
 logger = logging.getLogger("ffl_backend")
@@ -102,6 +102,7 @@ class FastflowHfQuantizer(HfQuantizer):
         for alias, target in cfg.tied.items():  # both were loaded: keep one copy
             owner, _, buffer = alias.rpartition(".")
             setattr(model.get_submodule(owner), buffer, model.get_buffer(target))
+        share_cpu_forms(model)
         setattr(model, STATE_ATTR, {"config": cfg.quant_config, "kept": cfg.kept})
         return model
 

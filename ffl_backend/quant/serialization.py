@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .api import STATE_ATTR, _set_module, quantized_modules
+from .api import STATE_ATTR, _set_module, quantized_modules, share_cpu_forms
 from .modules import QuantizedModule, build_module, replaced_type
 
 
@@ -196,6 +196,7 @@ def load_quantized(directory, device="cpu") -> nn.Module:
     _materialize_buffers(model, device)
     for m in quantized_modules(model).values():
         m.finalize()
+    share_cpu_forms(model)
     setattr(model, STATE_ATTR, {"config": manifest["quant_config"], "kept": manifest["kept"]})
     _load_generation_config(model, folder)
     return model.eval()

@@ -6,6 +6,8 @@ import torch
 import ffl_backend
 from ffl_backend.config import PATTERN_FAMILIES
 from ffl_backend.kernels.quant_linear import int4_cpu_linear, int4_cpu_pack
+from ffl_backend.patterns import int4_siblings
+from ffl_backend.patterns.siblings import shared_base
 from ffl_backend.quant import primitives as P
 from ffl_backend.quant import quantize
 from tests.tiny_models import LAYERS, tiny_model
@@ -72,3 +74,43 @@ def test_layers_without_a_cpu_pack_are_left_alone():
     out = _logits(model, ids, PATTERN_FAMILIES)
     assert ffl_backend.last_report().matches["horizontal"] == 2 * LAYERS  # q+v and gate+up
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
+
+
+def _wide_llama():
+    """A tiny Llama whose siblings have multiples of 64 rows (q 128, k/v 64, gate/up 128), as
+    SmolLM2's do: their torch CPU packs concatenate."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+
+
+def test_packs_concatenate_only_in_blocks_of_64():
+    assert int4_siblings._packs_concatenate((64, 128, 32), 192, 32)
+    assert not int4_siblings._packs_concatenate((48, 16, 32), 192, 32)
+
+
+def test_quantize_shares_sibling_packs_and_fusion_copies_nothing(monkeypatch):
+    model = _wide_llama()
+    ids = torch.randint(3, 128, (1, 9))
+    quantize(model, {"scheme": "int4", "group_size": 32})
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    for members in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+        assert shared_base([m.cpu_packed for m in members]) is not None
+    unfused = _logits(model, ids, tuple(f for f in PATTERN_FAMILIES if f != "horizontal"))
+    packed_again = []
+    monkeypatch.setattr(int4_siblings, "int4_cpu_pack", lambda *a: packed_again.append(1) or int4_cpu_pack(*a))
+    fused = _logits(model, ids, PATTERN_FAMILIES)
+    assert ffl_backend.last_report().matches["horizontal"] == 2 * LAYERS
+    assert packed_again == []  # the fused weight is the members' own shared pack
+    torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
+
+
+def test_siblings_that_do_not_concatenate_keep_their_own_packs():
+    model = tiny_model("llama", dtype=torch.bfloat16)  # k_proj has 32 rows, gate/up 96
+    quantize(model, {"scheme": "int4", "group_size": 32})
+    attn = model.model.layers[0].self_attn
+    assert shared_base([attn.q_proj.cpu_packed, attn.k_proj.cpu_packed, attn.v_proj.cpu_packed]) is None
+    assert int4_siblings.share_sibling_packs(model) == 0
