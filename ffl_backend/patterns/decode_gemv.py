@@ -168,7 +168,7 @@ def _reads_as_bf16(ctx, x, w: Optional[Tensor]) -> bool:
 def kernel_reads_siblings(ctx, x, weights, biases) -> bool:
     """Whether this family will hand every one of these linears of the row `x` to the kernel, which
     reads siblings in one call (gemv_kernel.py) -- so fusing them first would only copy weights."""
-    if not (ctx.options.inductor and "decode_gemv" in ctx.options.patterns) or not use_kernel(ctx.options):
+    if not (ctx.options.inductor and "decode_gemv" in ctx.options.patterns):
         return False
     for w, b in zip(weights, biases):
         if not _reads_as_bf16(ctx, x, w):
@@ -177,7 +177,7 @@ def kernel_reads_siblings(ctx, x, weights, biases) -> bool:
                                                                   requires_grad=w.requires_grad)
         if not cpu_gemv.takes(U.value(x), as_read, b):
             return False
-    return True
+    return use_kernel(ctx.options)  # last: it builds the kernel on first use
 
 
 def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) -> bool:

@@ -5,8 +5,8 @@ Llama layer. At batch 1 each call is a few microseconds of fixed cost (the compi
 line, the dispatcher, a thread fork/join) on ~20 us of work, so q/k/v and gate/up -- linears that
 read the same activation -- are fused into one call each, as `horizontal` does for dense linears:
 7 calls per layer become 4 (SmolLM2 int4-all decode: 104 -> 113 tok/s, measured in one process).
-int8 linears are left alone: their decode GEMVs are Inductor loops (decode_gemv), where fusing
-measured no gain and would cost a fused copy of the weights.
+int8 linears are left alone: decode_gemv reads their siblings in one call of the CPU GEMV kernel
+with no fused copy.
 
 torch's CPU packing blocks rows in 64s, so concatenating packed tensors is right only when every
 member but the last has a multiple of 64 rows (tests/patterns/test_int4_siblings.py). Where it is,
