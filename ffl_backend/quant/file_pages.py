@@ -56,13 +56,15 @@ COPY_BLOCK_BYTES = 8 << 20  # copy-out granularity: the most of a tensor residen
 _libc_functions = {}
 
 
-def _libc(name: str):
-    """A libc function through ctypes (cached), or None off Linux / where it is missing."""
+def _libc(name: str, argtypes: list, restype):
+    """A libc function through ctypes with its signature set (cached), or None off Linux / where it
+    is missing."""
     if name not in _libc_functions:
         fn = None
         if sys.platform.startswith("linux"):
             try:
                 fn = getattr(ctypes.CDLL(None, use_errno=True), name)
+                fn.argtypes, fn.restype = argtypes, restype
             except (OSError, AttributeError):
                 fn = None
         _libc_functions[name] = fn
@@ -74,7 +76,7 @@ def page_out(t: torch.Tensor, ranges=None) -> int:
     (whole pages inside its bytes only: neighbours' edge pages stay). Returns the bytes advised, 0
     if none were (not a mapped contiguous CPU tensor, not Linux, the kernel refused)."""
     ranges = file_mappings() if ranges is None else ranges
-    madvise = _libc("madvise")
+    madvise = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
     if madvise is None or not t.is_contiguous() or not _in_mapping(t, ranges):
         return 0
     page = os.sysconf("SC_PAGE_SIZE")
@@ -82,7 +84,6 @@ def page_out(t: torch.Tensor, ranges=None) -> int:
     end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
     if end <= start:
         return 0
-    madvise.argtypes, madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
     if madvise(start, end - start, MADV_PAGEOUT) != 0:
         logger.debug("madvise(MADV_PAGEOUT) failed: errno %d", ctypes.get_errno())
         return 0
@@ -92,10 +93,10 @@ def page_out(t: torch.Tensor, ranges=None) -> int:
 def release_free_heap() -> None:
     """Return the C heap's free pages to the OS (glibc malloc_trim). Quantizing frees many
     temporaries and whole weights; glibc keeps such memory for reuse, which reads as RSS
-    (SmolLM2 int8: ~90 MiB of it after quantize, by run). Nothing happens where it is missing."""
-    trim = _libc("malloc_trim")
+    (SmolLM2 int8: up to ~90 MiB after quantize, depending on the run). Nothing happens where it is
+    missing."""
+    trim = _libc("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
     if trim is not None:
-        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
         trim(0)
 
 
