@@ -28,12 +28,10 @@ def _model(name: str, dtype):
     from ffl_backend.models import load_smollm2
 
     model, tok = load_smollm2(dtype=dtype)
-    if name.startswith("int4"):
+    if name == "int4" or name.startswith("int4-g"):  # int4, int4-g32, int4-g64, ...
         ffl_backend.quantize(model, ffl_backend.QuantConfig("int4", group_size=int(name[6:] or 128)))
-    elif name in ("int8", "w8a8", "fp8"):
+    elif name != "bf16":  # a scheme or preset name: int8, w8a8, fp8, int8-all, int4-all, ...
         ffl_backend.quantize(model, name)
-    elif name == "int8-all":  # embedding and (tied) lm_head too: one shared int8 table
-        ffl_backend.quantize(model, ffl_backend.QuantConfig("int8", skip=()))
     return model, tok
 
 
