@@ -28,9 +28,7 @@ def _model(name: str, dtype):
     from ffl_backend.models import load_smollm2
 
     model, tok = load_smollm2(dtype=dtype)
-    if name == "int4" or name.startswith("int4-g"):  # int4, int4-g32, int4-g64, ...
-        ffl_backend.quantize(model, ffl_backend.QuantConfig("int4", group_size=int(name[6:] or 128)))
-    elif name != "bf16":  # a scheme or preset name: int8, w8a8, fp8, int8-all, int4-all, ...
+    if name != "bf16":  # a scheme or preset name: int8, int4, int4-g32, w8a8, fp8, int8-all, int4-all, ...
         ffl_backend.quantize(model, name)
     return model, tok
 
@@ -65,6 +63,7 @@ def decode(args) -> dict:
 
 def rss(args) -> dict:
     import ffl_backend
+    from ffl_backend.bench.worker import current_rss_mb
 
     if args.model == "imports":  # what every variant pays before its first tensor
         from transformers import AutoModelForCausalLM  # noqa: F401
@@ -87,12 +86,7 @@ def rss(args) -> dict:
     with torch.no_grad():
         model(torch.randint(0, 1000, (1, 32)))
     return {"model": args.model, "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-            "rss_after_forward_mib": _current_rss_mib()}
-
-
-def _current_rss_mib() -> float:
-    with open("/proc/self/status") as fh:
-        return next(round(int(line.split()[1]) / 1024, 1) for line in fh if line.startswith("VmRSS"))
+            "rss_after_forward_mib": current_rss_mb()}
 
 
 def save(args) -> dict:

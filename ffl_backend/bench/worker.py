@@ -102,11 +102,11 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def _current_rss_mb() -> float | None:
+def current_rss_mb() -> float | None:
     """This process's resident set now (Linux /proc), or None where it cannot be read."""
     try:
         with open("/proc/self/status") as fh:
-            return next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:"))
+            return round(next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:")), 1)
     except (OSError, StopIteration):
         return None
 
@@ -123,7 +123,7 @@ def import_runtime(cfg: dict) -> float | None:
         MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]  # imports the modeling module
     if cfg["backend"] != "eager":
         import torch._inductor.compile_fx  # noqa: F401  (Dynamo's compile imports it on first use anyway)
-    return _current_rss_mb()
+    return current_rss_mb()
 
 
 def load_model(cfg: dict):

@@ -50,18 +50,17 @@ def _load(args):
 
 
 def _config(args, scheme: str):
-    from .config import DEFAULT_SKIP, PRESETS, QuantConfig, resolve_steps
+    from .config import DEFAULT_SKIP, PRESETS, QuantConfig, resolve_steps, scheme_name_fields
 
     gptq = getattr(args, "gptq", False)
     if scheme in PRESETS and gptq:  # GPTQ for the preset's int4 linears; its int8 head stays round-to-nearest
         return [dataclasses.replace(s, algorithm="gptq") if s.scheme == "int4" else s for s in resolve_steps(scheme)]
     if scheme in PRESETS:  # "int8-all", "int4-all": used as defined
         return scheme
-    name, _, group = scheme.partition("-g")
-    kwargs = {"scheme": name, "skip": (() if args.quantize_embeddings else DEFAULT_SKIP) + tuple(args.skip)}
-    if name == "int4":
-        kwargs["group_size"] = int(group) if group else args.group_size
-    if name == "w8a8":
+    kwargs = {**scheme_name_fields(scheme), "skip": (() if args.quantize_embeddings else DEFAULT_SKIP) + tuple(args.skip)}
+    if kwargs["scheme"] == "int4":
+        kwargs.setdefault("group_size", args.group_size)
+    if kwargs["scheme"] == "w8a8":
         kwargs.update(static=args.static, smoothquant_alpha=args.alpha, static_range_limit=args.static_range_limit,
                       clip_search=args.clip_search, min_output_sqnr=args.min_output_sqnr)
     if gptq:

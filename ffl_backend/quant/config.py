@@ -149,9 +149,19 @@ def resolve_steps(config) -> list[QuantConfig]:
     return [resolve(config)]
 
 
+def scheme_name_fields(name: str) -> dict:
+    """QuantConfig fields named by a scheme name: {"scheme": name}, or for "int4-g<N>" the int4
+    scheme with group size N."""
+    scheme, sep, group = name.partition("-g")
+    if sep and scheme == "int4" and group.isdigit():
+        return {"scheme": "int4", "group_size": int(group)}
+    return {"scheme": name}
+
+
 def resolve(config) -> QuantConfig:
     """A QuantConfig from a QuantConfig, a dict of its fields, a scheme name ("int8", "int4",
-    "w8a8", "fp8") meaning that scheme's defaults, or a one-step preset name ("int8-all")."""
+    "w8a8", "fp8"; "int4-g32" etc. for a fixed int4 group size) meaning that scheme's defaults, or a
+    one-step preset name ("int8-all")."""
     if isinstance(config, QuantConfig):
         return config
     if isinstance(config, str) and config in PRESETS:
@@ -161,7 +171,7 @@ def resolve(config) -> QuantConfig:
                              "(pass one of its schemes here)")
         return steps[0]
     if isinstance(config, str):
-        return QuantConfig(scheme=config)
+        return QuantConfig(**scheme_name_fields(config))
     if isinstance(config, dict):
         return QuantConfig.from_dict(config)
     raise TypeError(f"expected a QuantConfig, a dict, a scheme name {SCHEMES} or a preset {tuple(PRESETS)}, "

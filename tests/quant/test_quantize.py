@@ -41,6 +41,14 @@ def test_scheme_name_swaps_every_decoder_linear(llama, scheme):
     assert P.sqnr(llama(ids).logits, model(ids).logits) > LOGIT_FLOORS[scheme]
 
 
+def test_int4_name_with_a_group_size(llama):
+    model = ffl_backend.quantize(copy.deepcopy(llama), "int4-g32")
+    assert {m.group_size for m in quantized_modules(model).values()} == {32}
+    for bad in ("int4-gx", "int8-g32"):
+        with pytest.raises(ValueError, match="unknown quantization scheme"):
+            ffl_backend.quantize(copy.deepcopy(llama), bad)
+
+
 def test_original_weights_are_freed(llama):
     model = copy.deepcopy(llama)
     q_proj = model.model.layers[0].self_attn.q_proj
