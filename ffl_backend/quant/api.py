@@ -67,8 +67,9 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     """Quantize `model`'s selected nn.Linear layers in place and return `model`.
 
-    config: a QuantConfig, its dict, a scheme name ("int8", "int4", "int4-g32" and the like, "w8a8", "fp8"), a preset name
-    ("int8-all", "int4-all": embedding and lm_head included) or a list of these, applied in order.
+    config: a QuantConfig, its dict, a scheme name ("int8", "int4", "int4-g32" and the like, "w8a8",
+    "fp8"), a preset name ("int8-all", "int4-all": embedding and lm_head included) or a list of these,
+    applied in order.
     calibration_data: iterable of input_ids tensors ((1, L) or (B, L)); required by w8a8 with
     `static=True` or `smoothquant_alpha` set, and by algorithm="gptq". Layers that cannot take the
     scheme (int4 group size not dividing in_features) stay in high precision with a logged warning

@@ -57,7 +57,8 @@ def _config(args, scheme: str):
         return [dataclasses.replace(s, algorithm="gptq") if s.scheme == "int4" else s for s in resolve_steps(scheme)]
     if scheme in PRESETS:  # "int8-all", "int4-all": used as defined
         return scheme
-    kwargs = {**scheme_name_fields(scheme), "skip": (() if args.quantize_embeddings else DEFAULT_SKIP) + tuple(args.skip)}
+    skip = (() if args.quantize_embeddings else DEFAULT_SKIP) + tuple(args.skip)
+    kwargs = {**scheme_name_fields(scheme), "skip": skip}
     if kwargs["scheme"] == "int4":
         kwargs.setdefault("group_size", args.group_size)
     if kwargs["scheme"] == "w8a8":
