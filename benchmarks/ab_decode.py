@@ -1,12 +1,20 @@
-"""In-process A/B of fastflow options on SmolLM2-135M batch-1 decode.
+"""In-process comparison of decode setups on SmolLM2-135M, batch 1: fastflow options, or whole setups
+(backend, dtype, quantization) against a baseline.
 
 This shared machine's speed drifts by 10-30% between runs (the same configuration measured 84 and
-58 tok/s hours apart), so two separate ffl-bench runs cannot resolve a few-percent change. Here both
-variants live in one process: two copies of the model, each compiled with its own options, timed in
-alternation (64-token greedy generates), so drift hits both alike.
+58 tok/s hours apart), so two separate ffl-bench runs cannot resolve a few-percent change, and a ratio
+between rows of one ffl-bench run depends on when each row ran. Here every variant lives in one
+process: its own copy of the model, compiled with its own settings, timed in alternation (64-token
+greedy generates), so drift hits all alike. Each round times every variant once; the ratio of a
+variant to the first is reported as the median of the per-round ratios (paired) and as the ratio of
+medians.
 
     python benchmarks/ab_decode.py --quant int8-all --a '{"inductor_config": {"cpp.enable_floating_point_contract_flag": "off"}}' --b '{}'
     python benchmarks/ab_decode.py ... --dtype float32 --rounds 7 --out benchmarks/results/fp_contract_ab_cpu.json   (appends a row)
+    python benchmarks/ab_decode.py --variants '[{"name": "inductor fp32", "backend": "inductor", "dtype": "float32"},
+        {"name": "fastflow int8", "quant": "int8"}]'      (defaults: backend fastflow, --dtype, --quant, options {})
+
+--a/--b are fastflow options of two variants that share --dtype and --quant.
 """
 from __future__ import annotations
 
@@ -14,33 +22,60 @@ import argparse
 import json
 import statistics
 
+SETUP_KEYS = ("name", "backend", "dtype", "quant", "options")
 
-def ab(dtype: str, quant: str, variants: dict, rounds: int, new_tokens: int) -> dict:
+
+def _variant(spec: dict, dtype: str, quant: str) -> dict:
+    unknown = set(spec) - set(SETUP_KEYS)
+    if unknown:
+        raise ValueError(f"unknown variant keys {sorted(unknown)}; known: {SETUP_KEYS}")
+    v = {"backend": "fastflow", "dtype": dtype, "quant": quant, "options": {}, **spec}
+    v.setdefault("name", f"{v['backend']} {v['dtype']} {v['quant']}")
+    return v
+
+
+def _prepare(v: dict, new_tokens: int):
     from ffl_backend.bench.worker import load_model, prompt_ids, time_generate
     from ffl_backend.generation import configure_generate
     from ffl_backend.models import smollm2_path
 
-    models, ids = {}, None
-    for name, options in variants.items():
-        models[name], tok, _, _ = load_model({"model": str(smollm2_path()), "dtype": dtype, "quant": quant})
-        configure_generate(models[name], backend="fastflow", options=options or None,
-                           max_cache_len=16 + new_tokens)
-        ids = prompt_ids(tok, 16)
-        for _ in range(2):  # compile, then one warm run
-            time_generate(models[name], ids, new_tokens)
-    rates = {name: [] for name in models}
-    tokens = {}
+    model, tok, _, _ = load_model({"model": str(smollm2_path()), "dtype": v["dtype"], "quant": v["quant"]})
+    backend = None if v["backend"] == "eager" else v["backend"]
+    configure_generate(model, backend=backend, options=v["options"] or None, max_cache_len=16 + new_tokens)
+    ids = prompt_ids(tok, 16)
+    for _ in range(2):  # compile, then one warm run
+        time_generate(model, ids, new_tokens)
+    return model, ids
+
+
+def compare(variants: list, rounds: int, new_tokens: int) -> dict:
+    """Decode tok/s of each variant (dicts with SETUP_KEYS), timed in alternation, and each one's
+    ratio to the first."""
+    from ffl_backend.bench.worker import time_generate
+
+    names = [v["name"] for v in variants]
+    if len(set(names)) != len(names):
+        raise ValueError(f"variant names must differ: {names}")
+    prepared = {v["name"]: _prepare(v, new_tokens) for v in variants}
+    rates, tokens = {n: [] for n in names}, {}
     for _ in range(rounds):
-        for name, model in models.items():
+        for name, (model, ids) in prepared.items():
             timing = time_generate(model, ids, new_tokens)
             rates[name].append(timing["decode_tok_s"])
             tokens[name] = timing["tokens"]
-    a, b = (statistics.median(rates[n]) for n in variants)
-    same = sum(x == y for x, y in zip(*tokens.values()))
-    return {"dtype": dtype, "quant": quant, "variants": variants,
-            "decode_tok_s": {n: {"median": round(statistics.median(r), 1), "min": round(min(r), 1),
-                                 "max": round(max(r), 1)} for n, r in rates.items()},
-            "b_over_a": round(b / a, 3), "greedy_tokens_equal_a_b": f"{same}/{new_tokens}"}
+    base = names[0]
+    row = {"variants": variants, "rounds": rounds,
+           "decode_tok_s": {n: {"median": round(statistics.median(r), 1), "min": round(min(r), 1),
+                                "max": round(max(r), 1), "all": [round(x, 1) for x in r]} for n, r in rates.items()},
+           "vs_first": {}}
+    for name in names[1:]:
+        paired = [b / a for a, b in zip(rates[base], rates[name])]
+        row["vs_first"][name] = {
+            "paired_median": round(statistics.median(paired), 3),
+            "paired_min": round(min(paired), 3), "paired_max": round(max(paired), 3),
+            "of_medians": round(statistics.median(rates[name]) / statistics.median(rates[base]), 3),
+            "greedy_tokens_equal_first": f"{sum(x == y for x, y in zip(tokens[base], tokens[name]))}/{new_tokens}"}
+    return row
 
 
 def main(argv=None) -> None:
@@ -49,14 +84,18 @@ def main(argv=None) -> None:
     p.add_argument("--quant", default="none", help="none or a quantize() scheme/preset (int8, int8-all, int4-all)")
     p.add_argument("--a", default="{}", help="fastflow options of variant a (JSON)")
     p.add_argument("--b", default="{}", help="fastflow options of variant b (JSON)")
+    p.add_argument("--variants", help="JSON list of variants (keys: name, backend, dtype, quant, options); "
+                                      "replaces --a/--b")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--out", help="JSON file to append this row to")
     args = p.parse_args(argv)
     from ffl_backend.bench.grid import report_row
 
-    row = ab(args.dtype, args.quant, {"a": json.loads(args.a), "b": json.loads(args.b)}, args.rounds, args.new_tokens)
-    report_row(row, args.out)
+    specs = (json.loads(args.variants) if args.variants else
+             [{"name": "a", "options": json.loads(args.a)}, {"name": "b", "options": json.loads(args.b)}])
+    variants = [_variant(s, args.dtype, args.quant) for s in specs]
+    report_row(compare(variants, args.rounds, args.new_tokens), args.out)
 
 
 if __name__ == "__main__":

@@ -102,6 +102,22 @@ def int4_cpu_pack(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int)
     return packed, scale_zeros
 
 
+# torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`, torch 2.13) of N rows a multiple of
+# 64: per block of 64 rows, K x 32 bytes whose low nibble is row j and high nibble row 32 + j of the
+# block. Other N are laid out otherwise; they keep their portable codes (see Int4Linear).
+INT4_CPU_UNPACK_ROWS = 64
+
+
+def int4_cpu_unpack(packed: Tensor, n: int, k: int) -> Optional[Tensor]:
+    """The portable (n, k/2) codes back from torch's CPU pack of them, or None where that layout is not
+    known here (n not a multiple of 64). Callers compare the round trip before relying on it."""
+    if n % INT4_CPU_UNPACK_ROWS or tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
+        return None
+    blocks = packed.reshape(n // INT4_CPU_UNPACK_ROWS, k, INT4_CPU_UNPACK_ROWS // 2)
+    codes = torch.cat([blocks & 0xF, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)
+    return P.pack_int4(codes)
+
+
 def _single_row_kernel_applies(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether an eager single-row int8 call can take the C++ decode GEMV (`cpu_gemv`). Never while
     compiling: there the decode_gemv family decides, and plain Inductor keeps torch's kernel."""

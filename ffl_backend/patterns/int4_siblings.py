@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from ..kernels import weight_cache
-from ..kernels.quant_linear import int4_cpu_linear, int4_cpu_pack
+from ..kernels.quant_linear import int4_cpu_linear, int4_cpu_pack, int4_cpu_unpack
 from . import fx_utils as U
 from .siblings import shared_base, sibling_groups
 
@@ -65,9 +65,17 @@ def _fused_pack(portables: list, packs: list, scale_zeros: list, group_size: int
                                           lambda _: torch.cat(scale_zeros, dim=1))
 
     def make(_):
-        q, s, z = (torch.cat([p[i] for p in portables]) for i in range(3))
+        codes = [_codes(p[0], pack) for p, pack in zip(portables, packs)]
+        q, s, z = torch.cat(codes), *(torch.cat([p[i] for p in portables]) for i in (1, 2))
         return int4_cpu_pack(q, s, z, group_size)
     return weight_cache.derived(_key("int4_siblings", [p[0] for p in portables]), portables[0][0], make)
+
+
+def _codes(qweight: Tensor, pack: Tensor) -> Tensor:
+    """A member's portable codes: its `qweight`, or rebuilt from its pack where only that is kept."""
+    from ..quant.modules import is_stand_in
+
+    return int4_cpu_unpack(pack, qweight.shape[0], qweight.shape[1] * 2) if is_stand_in(qweight) else qweight
 
 
 @functools.lru_cache(maxsize=None)

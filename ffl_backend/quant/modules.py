@@ -4,6 +4,8 @@ a compiled graph holds one opaque-to-Dynamo, visible-to-Inductor op per linear.
 Persistent buffers are the canonical layouts (quant/primitives.py) and are what gets saved.
 Non-persistent `cpu_*` buffers hold what torch's CPU kernels want instead (a bf16 scale, torch's
 own int4 packing); `finalize()` derives them once, after quantizing or loading, never per step.
+On CPU an int4 module keeps its codes only in torch's packing where they can be read back from it
+exactly: its `qweight` is then a stand-in (`is_stand_in`), and `state_dict()` still saves the codes.
 """
 from __future__ import annotations
 
@@ -121,19 +123,64 @@ class Int4Linear(QuantizedLinear):
         return m.finalize()
 
     def finalize(self):
+        if is_stand_in(self.qweight):  # finalized before: start again from the real codes
+            self.qweight = self.portable_qweight()
         super().finalize()
         self.cpu_packed, self.cpu_scale_zeros = K.int4_cpu_pack(self.qweight, self.scale, self.zero, self.group_size)
+        self._keep_codes_in_pack()
+        return self
+
+    def _keep_codes_in_pack(self) -> None:
+        """Keep one copy of the codes on CPU. The CPU kernels read only torch's pack, so where
+        unpacking the pack gives back exactly `qweight` (checked on these codes), `qweight` becomes a
+        stand-in of its shape (stride 0, one byte) and `portable_qweight()` rebuilds the codes for
+        saving, reports and moves to another device. Halves an int4 model's CPU memory."""
+        if self.cpu_packed is None:
+            return
+        rebuilt = K.int4_cpu_unpack(self.cpu_packed, self.out_features, self.in_features)
+        if rebuilt is not None and torch.equal(rebuilt, self.qweight):
+            self.qweight = torch.zeros((), dtype=torch.uint8).expand(self.out_features, self.in_features // 2)
+
+    def portable_qweight(self) -> Tensor:
+        """The (N, K/2) codes in the portable layout (quant/primitives.py), wherever they are kept."""
+        if is_stand_in(self.qweight):
+            return K.int4_cpu_unpack(self.cpu_packed, self.out_features, self.in_features)
+        return self.qweight
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if is_stand_in(self.qweight):
+            destination[prefix + "qweight"] = self.portable_qweight()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if is_stand_in(self.qweight):  # a stand-in cannot be copied into: give it its own storage
+            self.qweight = torch.empty(self.qweight.shape, dtype=torch.uint8)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        """Moves and casts see the real codes; back on CPU, one copy is kept again."""
+        held = is_stand_in(self.qweight)
+        if held:
+            self.qweight = self.portable_qweight()
+        super()._apply(fn, recurse)
+        if held and self.qweight.device.type == "cpu" and self.cpu_packed is not None:
+            self._keep_codes_in_pack()
         return self
 
     def spec(self):
         return {**super().spec(), "group_size": self.group_size}
 
     def dequantized_weight(self):
-        return P.dequantize_int4(self.qweight, self.scale, self.zero, self.group_size)
+        return P.dequantize_int4(self.portable_qweight(), self.scale, self.zero, self.group_size)
 
     def forward(self, x: Tensor) -> Tensor:
         return torch.ops.fastflow.int4_linear(x, self.qweight, self.scale, self.zero, self.group_size,
                                               self.bias, self.cpu_packed, self.cpu_scale_zeros)
+
+
+def is_stand_in(t) -> bool:
+    """Whether an int4 `qweight` is the stride-0 stand-in of codes kept only in torch's CPU pack."""
+    return isinstance(t, Tensor) and t.dim() == 2 and t.numel() > 1 and t.stride() == (0, 0)
 
 
 class W8A8Linear(QuantizedLinear):

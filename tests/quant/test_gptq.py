@@ -51,7 +51,7 @@ def test_gptq_beats_rtn_in_the_int4_layout(dtype, symmetric):
     assert _output_error(linear, x, w_hat) < 0.85 * _output_error(linear, x, rtn)
     # the stored layout dequantizes to exactly the weight GPTQ optimised, and the module uses it
     module = M.Int4Linear.from_linear(linear, cfg, quantized=(codes, scale, zero))
-    deq = P.dequantize_int4(module.qweight, module.scale, module.zero, GROUP)
+    deq = P.dequantize_int4(module.portable_qweight(), module.scale, module.zero, GROUP)
     assert torch.equal(deq, w_hat) and torch.equal(module.dequantized_weight(), w_hat)
     ref = nn.functional.linear(x.float(), deq, linear.bias.float()).to(dtype)
     torch.testing.assert_close(module(x), ref, rtol=2e-2, atol=2e-2)
@@ -119,7 +119,7 @@ def test_quantize_with_gptq_end_to_end(llama, tmp_path):
     assert not any(m._forward_hooks for m in model.modules())  # calibration hooks removed
     assert P.sqnr(llama(ids).logits, model(ids).logits) > 15.0  # the int4 RTN floor in test_quantize
     rtn = ffl_backend.quantize(copy.deepcopy(llama), ffl_backend.QuantConfig("int4", group_size=32))
-    assert any(not torch.equal(m.qweight, quantized_modules(rtn)[n].qweight) for n, m in swapped.items())
+    assert any(not torch.equal(m.portable_qweight(), quantized_modules(rtn)[n].portable_qweight()) for n, m in swapped.items())
     ffl_backend.quant.save_quantized(model, tmp_path)  # same layout: save/load need no GPTQ knowledge
     loaded = ffl_backend.load_quantized(tmp_path)
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)

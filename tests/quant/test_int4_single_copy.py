@@ -1,0 +1,89 @@
+"""int4 on CPU keeps its codes once, in torch's CPU pack; the portable `qweight` is rebuilt from it for
+saving, reports and moves, and stays where the pack's layout is not known."""
+import copy
+
+import pytest
+import torch
+
+import ffl_backend
+from ffl_backend.kernels import quant_linear as K
+from ffl_backend.quant import QuantConfig, save_quantized
+from ffl_backend.quant import primitives as P
+from ffl_backend.quant.api import quantized_modules
+from ffl_backend.quant.modules import Int4Linear, is_stand_in
+from tests.tiny_models import tiny_model
+
+
+def _torch_pack(qweight):
+    return torch._convert_weight_to_int4pack_for_cpu(P.unpack_int4(qweight).to(torch.int32), 1)
+
+
+@pytest.mark.parametrize("n,k", [(64, 32), (128, 96), (192, 576), (576, 1536)])
+def test_unpack_inverts_torchs_pack(n, k):
+    qweight = P.pack_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8))
+    assert torch.equal(K.int4_cpu_unpack(_torch_pack(qweight), n, k), qweight)
+
+
+@pytest.mark.parametrize("n", [16, 48, 80, 112])
+def test_unpack_declines_row_counts_of_another_layout(n):
+    qweight = P.pack_int4(torch.randint(0, 16, (n, 64), dtype=torch.uint8))
+    assert K.int4_cpu_unpack(_torch_pack(qweight), n, 64) is None
+
+
+def _module(out_features, in_features=96):
+    linear = torch.nn.Linear(in_features, out_features)
+    codes, _, _ = P.quantize_int4(linear.weight.detach(), 32)
+    return Int4Linear.from_linear(linear, QuantConfig("int4", group_size=32)), P.pack_int4(codes)
+
+
+def test_module_keeps_one_copy_and_rebuilds_its_codes():
+    m, qweight = _module(128)
+    assert is_stand_in(m.qweight) and m.qweight.untyped_storage().nbytes() == 1
+    assert torch.equal(m.portable_qweight(), qweight)
+    x = torch.randn(3, 96)
+    expected = torch.ops.fastflow.int4_linear(x, qweight, m.scale, m.zero, 32, m.bias, m.cpu_packed, m.cpu_scale_zeros)
+    torch.testing.assert_close(m(x), expected, rtol=0, atol=0)
+    saved = m.state_dict()["qweight"]
+    assert torch.equal(saved, qweight) and saved.is_contiguous()
+    torch.testing.assert_close(m.dequantized_weight(), P.dequantize_int4(qweight, m.scale, m.zero, 32))
+
+
+@pytest.mark.parametrize("change", ["finalize", "deepcopy", "float", "load_state_dict"])
+def test_codes_survive_what_users_do_to_modules(change):
+    m, qweight = _module(128)
+    if change == "finalize":
+        m.finalize()
+    elif change == "deepcopy":
+        m = copy.deepcopy(m)
+    elif change == "float":
+        m = m.to(torch.float64).float()
+    else:
+        fresh, _ = _module(128)
+        fresh.load_state_dict(m.state_dict())
+        m = fresh.finalize()
+    assert is_stand_in(m.qweight) and torch.equal(m.portable_qweight(), qweight)
+    assert torch.equal(K.int4_cpu_unpack(m.cpu_packed, 128, 96), qweight)
+
+
+def test_moving_off_cpu_carries_the_real_codes():
+    m, qweight = _module(128)
+    moved = m.to("meta")
+    assert not is_stand_in(moved.qweight) and moved.qweight.shape == qweight.shape
+
+
+def test_rows_of_an_unknown_layout_keep_their_portable_codes():
+    m, qweight = _module(48)  # torch packs 48 rows in another layout: nothing to rebuild from
+    assert m.cpu_packed is not None and not is_stand_in(m.qweight) and torch.equal(m.qweight, qweight)
+
+
+def test_quantized_model_round_trips_through_stand_ins(tmp_path):
+    """A tiny Llama's 64-row int4 linears keep one copy, its 32- and 96-row ones two; saving writes the
+    real codes and loading gives the same logits."""
+    model = ffl_backend.quantize(tiny_model("llama"), QuantConfig("int4", group_size=32))
+    held = {n for n, m in quantized_modules(model).items() if is_stand_in(m.qweight)}
+    assert held and all(quantized_modules(model)[n].out_features % 64 == 0 for n in held)
+    save_quantized(model, tmp_path)
+    loaded = ffl_backend.load_quantized(tmp_path)
+    assert {n for n, m in quantized_modules(loaded).items() if is_stand_in(m.qweight)} == held
+    ids = torch.randint(3, 128, (2, 12))
+    torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
