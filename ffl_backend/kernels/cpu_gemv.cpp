@@ -4,7 +4,9 @@
 //
 // w is int8 (weight-only per-output-channel quantization; `scale` is the channel scale) or bf16.
 // One call may take several weights that read the same x (q/k/v, gate/up): one parallel loop.
-// Built and loaded at run time by cpu_gemv.py; the pure-torch reference is `gemv_ref` there.
+// fastflow_cpu::int4_gemv -- the same for group-wise int4 weights in a layout of its own (below).
+// Built and loaded at run time by cpu_gemv.py; the pure-torch references are `gemv_ref` and
+// `int4_gemv_ref` there.
 //
 // Why a hand-written loop: at batch 1 every weight byte is read once per token, so the step is a
 // stream of GEMVs. Inductor's loop for the same expression (one row, one accumulator, no prefetch)
@@ -25,7 +27,10 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -204,10 +209,161 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights, at::TensorList scal
   return out;
 }
 
+// ---- int4_gemv: group-wise int4 weights in the 16-row interleaved layout (cpu_gemv.py) ----------
+//
+// packed (N/16, K/8, 64) bytes: byte 4i+b of chunk c of row block r holds code (16r+i, 8c+b) in its low
+// nibble and (16r+i, 8c+4+b) in its high nibble; scale_zeros (N/16, K/G, 2, 16) bf16 holds, per row block
+// and group, torch's CPU int4 grid w = (q - 8) * s + z': the 16 rows' s, then their z'. Lanes are rows,
+// so AVX512-VNNI `vpdpbusd` (unsigned byte x signed byte, 4 products summed per 32-bit lane) takes the
+// codes as they load -- one AND and one shift per 128 weights, no horizontal sums. x is read as int16
+// per group (max error 2^-16 of the group's largest |x|, finer than the bf16 rounding torch's int4
+// kernel applies) split into two signed bytes, x16 = 256 hi + lo: two VNNI products per code, exact
+// integer sums. Per group: y += s * sx * sum(q * x16) + (z' - 8 s) * sum(x).
+constexpr int64_t kInt4Rows = 16, kInt4ChunkK = 8, kInt4ChunkBytes = 64;
+constexpr float kInt16Max = 32639.f;  // 127 * 256 + 127: both bytes stay in [-128, 127]
+
+struct QuantizedRow {  // one activation row read as per-group int16, split into bytes
+  std::vector<int8_t> hi, lo;
+  std::vector<float> step, sum;  // per group: x = step * x16; sum of the x16 * step
+};
+
+QuantizedRow quantize_row(const float* x, int64_t K, int64_t G) {
+  QuantizedRow q{std::vector<int8_t>(K), std::vector<int8_t>(K), std::vector<float>(K / G), std::vector<float>(K / G)};
+  for (int64_t g = 0; g < K / G; ++g) {
+    const float* xg = x + g * G;
+    float largest = 0.f;
+    for (int64_t k = 0; k < G; ++k) largest = std::max(largest, std::fabs(xg[k]));
+    const float inv = largest > 0.f ? kInt16Max / largest : 0.f;
+    int64_t total = 0;
+    for (int64_t k = 0; k < G; ++k) {
+      const int32_t v = std::clamp(static_cast<int32_t>(std::nearbyint(xg[k] * inv)), -32639, 32639);
+      const int32_t high = (v + 128) >> 8;
+      q.hi[g * G + k] = static_cast<int8_t>(high);
+      q.lo[g * G + k] = static_cast<int8_t>(v - high * 256);
+      total += v;
+    }
+    q.step[g] = largest > 0.f ? largest / kInt16Max : 0.f;
+    q.sum[g] = static_cast<float>(total) * q.step[g];
+  }
+  return q;
+}
+
+inline float bf16_value(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+inline __m512 load16_bf16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+// 16 outputs of one row block.
+void int4_block(const uint8_t* w, const c10::BFloat16* sz, const QuantizedRow& x, int64_t K, int64_t G, float* y) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const int64_t chunks = G / kInt4ChunkK;
+  __m512 acc = _mm512_setzero_ps();
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m512i dot_hi = _mm512_setzero_si512(), dot_lo = _mm512_setzero_si512();
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint8_t* p = w + (g * chunks + c) * kInt4ChunkBytes;
+      _mm_prefetch(reinterpret_cast<const char*>(p + kNearPrefetchElements / 2), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + kFarPrefetchElements / 2), _MM_HINT_T1);
+      const __m512i raw = _mm512_loadu_si512(p);
+      const __m512i first = _mm512_and_si512(raw, nibble);                       // k = 8c .. 8c+3
+      const __m512i second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);  // k = 8c+4 .. 8c+7
+      const int64_t k = g * G + c * kInt4ChunkK;
+      dot_hi = _mm512_dpbusd_epi32(dot_hi, first, _mm512_set1_epi32(four_bytes(&x.hi[k])));
+      dot_hi = _mm512_dpbusd_epi32(dot_hi, second, _mm512_set1_epi32(four_bytes(&x.hi[k + 4])));
+      dot_lo = _mm512_dpbusd_epi32(dot_lo, first, _mm512_set1_epi32(four_bytes(&x.lo[k])));
+      dot_lo = _mm512_dpbusd_epi32(dot_lo, second, _mm512_set1_epi32(four_bytes(&x.lo[k + 4])));
+    }
+    const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dot_hi, 8), dot_lo);  // sum(q * x16), exact
+    const __m512 s = load16_bf16(sz + g * 2 * kInt4Rows), zp = load16_bf16(sz + g * 2 * kInt4Rows + kInt4Rows);
+    const __m512 offset = _mm512_fmadd_ps(s, _mm512_set1_ps(-8.f), zp);
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(s, _mm512_set1_ps(x.step[g])), acc);
+    acc = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.sum[g]), acc);
+  }
+  _mm512_storeu_ps(y, acc);
+}
+#else
+// Portable path: the same integer sums, one lane at a time.
+void int4_block(const uint8_t* w, const c10::BFloat16* sz, const QuantizedRow& x, int64_t K, int64_t G, float* y) {
+  const int64_t chunks = G / kInt4ChunkK;
+  for (int64_t i = 0; i < kInt4Rows; ++i) {
+    float acc = 0.f;
+    for (int64_t g = 0; g < K / G; ++g) {
+      int64_t dot = 0;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const uint8_t* p = w + (g * chunks + c) * kInt4ChunkBytes + 4 * i;
+        const int64_t k = g * G + c * kInt4ChunkK;
+        for (int64_t b = 0; b < 4; ++b) {
+          dot += (p[b] & 0xF) * (256 * x.hi[k + b] + x.lo[k + b]);
+          dot += (p[b] >> 4) * (256 * x.hi[k + 4 + b] + x.lo[k + 4 + b]);
+        }
+      }
+      const float s = bf16_value(sz, g * 2 * kInt4Rows + i), zp = bf16_value(sz, g * 2 * kInt4Rows + kInt4Rows + i);
+      acc += static_cast<float>(dot) * (s * x.step[g]) + (zp - 8.f * s) * x.sum[g];
+    }
+    y[i] = acc;
+  }
+}
+#endif
+
+// x (..., K) rows times the int4 matrix -> (..., N) in x's dtype; bias (N,) or none. Rows one at a
+// time (the kernel is meant for decode steps); each row's blocks are split across threads.
+at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zeros,
+                     const std::optional<at::Tensor>& bias, int64_t group_size) {
+  const int64_t K = x.size(-1), blocks = packed.size(0), N = blocks * kInt4Rows, G = group_size;
+  TORCH_CHECK(x.device().is_cpu() && packed.device().is_cpu() && scale_zeros.device().is_cpu(),
+              "fastflow_cpu::int4_gemv: CPU tensors only");
+  TORCH_CHECK(G > 0 && G % kInt4ChunkK == 0 && K % G == 0, "fastflow_cpu::int4_gemv: group size ", G,
+              " must be a multiple of 8 dividing K = ", K);
+  TORCH_CHECK(packed.scalar_type() == at::kByte && packed.is_contiguous() && packed.dim() == 3 &&
+                  packed.size(1) == K / kInt4ChunkK && packed.size(2) == kInt4ChunkBytes,
+              "fastflow_cpu::int4_gemv: packed must be a contiguous (N/16, K/8, 64) uint8 tensor");
+  TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.is_contiguous() &&
+                  scale_zeros.sizes() == at::IntArrayRef({blocks, K / G, 2, kInt4Rows}),
+              "fastflow_cpu::int4_gemv: scale_zeros must be a contiguous (N/16, K/G, 2, 16) bf16 tensor");
+  if (bias) check_vector(*bias, N, "bias");
+  const at::Tensor rows = x.reshape({-1, K});
+  const std::vector<float> x32 = as_floats(rows);
+  const std::vector<float> b = bias ? as_floats(*bias) : std::vector<float>();
+  const int64_t M = rows.size(0);
+  std::vector<float> y32(M * N);
+  const uint8_t* w = packed.const_data_ptr<uint8_t>();
+  const c10::BFloat16* sz = scale_zeros.const_data_ptr<c10::BFloat16>();
+  const int64_t grain = std::max<int64_t>(1, kMinParallelElements / (kInt4Rows * std::max<int64_t>(K, 1)));
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (blocks + grain - 1) / grain));
+  for (int64_t m = 0; m < M; ++m) {
+    const QuantizedRow q = quantize_row(x32.data() + m * K, K, G);
+    float* y = y32.data() + m * N;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < blocks; ++r) {
+      int4_block(w + r * (K / kInt4ChunkK) * kInt4ChunkBytes, sz + r * (K / G) * 2 * kInt4Rows, q, K, G,
+                 y + r * kInt4Rows);
+    }
+    for (int64_t n = 0; n < static_cast<int64_t>(b.size()); ++n) y[n] += b[n];
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor out = at::empty(shape, x.options());
+  store_floats(y32, out);
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fastflow_cpu, m) {
   m.def("gemv(Tensor x, Tensor[] weights, Tensor[] scales, Tensor[] biases) -> Tensor");
+  m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_zeros, Tensor? bias, int group_size) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fastflow_cpu, CPU, m) { m.impl("gemv", &gemv); }
+TORCH_LIBRARY_IMPL(fastflow_cpu, CPU, m) {
+  m.impl("gemv", &gemv);
+  m.impl("int4_gemv", &int4_gemv);
+}

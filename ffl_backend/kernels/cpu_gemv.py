@@ -1,8 +1,13 @@
-"""`torch.ops.fastflow_cpu.gemv`: a hand-written CPU GEMV for decode steps, built on first use.
+"""`torch.ops.fastflow_cpu.gemv` and `int4_gemv`: hand-written CPU GEMVs for decode steps, built on first use.
 
     gemv(x, [w_1..w_n], [s_1..s_n] or [], [b_1..b_n] or []) = cat([(x @ w_i.T) * s_i + b_i for each i], -1)
+    int4_gemv(x, packed, scale_zeros, bias or None, G) = x @ W.T + bias, W group-wise int4
 
-for one row x. The weights are int8 (weight-only quantized, `s_i` per output channel) or bf16, all
+`int4_gemv` reads its own layout (`int4_layout`: 16 rows to a vector, torch's CPU int4 grid
+w = (q - 8) * s + z') with AVX512-VNNI, x read as int16 per group; cpu_gemv.cpp says why, and
+patterns/int4_gemv.py where it is used.
+
+`gemv` multiplies one row x. Its weights are int8 (weight-only quantized, `s_i` per output channel) or bf16, all
 of one dtype and width; products and sums in fp32, one rounding to x's dtype. Siblings that read the
 same x (q/k/v, gate/up) go in one call: one parallel loop streams all their rows. The decode_gemv pattern family calls it for single-row linears when
 it is available (option `cpu_gemv`), instead of letting Inductor generate the loop: on SmolLM2-135M's
@@ -71,6 +76,46 @@ def takes(x, weight, *vectors) -> bool:
            for v in vectors):
         return False
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in (x, weight, *vectors)))
+
+
+# int4_gemv's layout (cpu_gemv.cpp): rows in blocks of 16 (the lanes of one vector), K in chunks of 8
+INT4_ROWS, INT4_CHUNK = 16, 8
+
+
+def int4_layout_fits(n: int, k: int, group_size: int) -> bool:
+    """Whether an (n, k) int4 matrix with this group size has an `int4_gemv` layout."""
+    return n % INT4_ROWS == 0 and group_size % INT4_CHUNK == 0 and k % group_size == 0 and n > 0
+
+
+def int4_layout(codes: Tensor, scale_zeros: Tensor, group_size: int) -> tuple:
+    """(packed, scale_zeros) for `int4_gemv` from (N, K) codes 0..15 and torch's CPU int4 scale/zero
+    table ((K/G, N, 2) bf16, w = (q - 8) * s + z'): the same values, laid out 16 rows to a vector."""
+    n, k = codes.shape
+    blocks = codes.to(torch.uint8).reshape(n // INT4_ROWS, INT4_ROWS, k // INT4_CHUNK, 2, INT4_CHUNK // 2)
+    packed = (blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
+    groups = scale_zeros.reshape(k // group_size, n // INT4_ROWS, INT4_ROWS, 2).permute(1, 0, 3, 2)
+    return (packed.reshape(n // INT4_ROWS, k // INT4_CHUNK, 4 * INT4_ROWS).contiguous(),
+            groups.to(torch.bfloat16).contiguous())
+
+
+def int4_layout_codes(packed: Tensor) -> Tensor:
+    """The (N, K) codes of an `int4_gemv` packed tensor (the inverse of `int4_layout`'s first half)."""
+    nb, chunks, _ = packed.shape
+    b = packed.reshape(nb, chunks, INT4_ROWS, INT4_CHUNK // 2).permute(0, 2, 1, 3)
+    return torch.stack([b & 0xF, b >> 4], dim=3).reshape(nb * INT4_ROWS, chunks * INT4_CHUNK)
+
+
+def int4_gemv_ref(x: Tensor, packed: Tensor, scale_zeros: Tensor, bias: Optional[Tensor], group_size: int) -> Tensor:
+    """Pure-torch reference of `int4_gemv`: the dequantized weight (q - 8) * s + z' in fp32, x @ w.T
+    (+ bias) in fp32, x's dtype out. (The kernel reads x as int16 per group: relative error ~1e-5.)"""
+    codes = int4_layout_codes(packed).float()
+    sz = scale_zeros.float().permute(0, 3, 1, 2).reshape(codes.shape[0], -1, 2)  # (N, K/G, 2)
+    s, zp = (sz[..., i].repeat_interleave(group_size, dim=1) for i in (0, 1))
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(acc) @ ((codes - 8) * s + zp).to(acc).T
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype)
 
 
 def _cache_dir() -> Path:
@@ -148,6 +193,7 @@ def _try_load() -> bool:
             _build(target)
         torch.ops.load_library(str(target))
         torch.library.register_fake(f"{OP_NAMESPACE}::gemv")(_fake_gemv)
+        torch.library.register_fake(f"{OP_NAMESPACE}::int4_gemv")(_fake_int4_gemv)
         return True
     except Exception as exc:  # no compiler, no headers, a link error: keep the (correct) Inductor loop
         _state["error"] = str(exc)
@@ -162,3 +208,7 @@ def load_error() -> Optional[str]:
 
 def _fake_gemv(x: Tensor, weights, scales, biases) -> Tensor:
     return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
+def _fake_int4_gemv(x: Tensor, packed, scale_zeros, bias, group_size: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * INT4_ROWS))

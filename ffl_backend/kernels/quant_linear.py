@@ -96,10 +96,14 @@ def int4_cpu_pack(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int)
         return None, None
     codes = P.unpack_int4(qweight).to(torch.int32)
     packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    return packed, int4_cpu_scale_zeros(scale, zero)
+
+
+def int4_cpu_scale_zeros(scale: Tensor, zero: Tensor) -> Tensor:
+    """torch's CPU int4 (K/G, N, 2) bf16 table of (s, z') for our (N, K/G) scale and zero point."""
     s = scale.float()
     zp = (8.0 - zero.float()) * s
-    scale_zeros = torch.stack([s.T, zp.T], dim=-1).to(torch.bfloat16).contiguous()
-    return packed, scale_zeros
+    return torch.stack([s.T, zp.T], dim=-1).to(torch.bfloat16).contiguous()
 
 
 # torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`, torch 2.13) of N rows a multiple of

@@ -22,8 +22,9 @@ So the family takes bf16 linears, `fastflow.int8_linear` (weight-only int8; the 
 the sum), and fp32 linears whose weight values are all exactly representable in bf16 (a bf16
 checkpoint loaded in fp32, as SmolLM2 is): those read a bf16 copy of the weight, half the bytes,
 with the same products and the same fp32 accumulation -- lossless. Other fp32 weights stay on MKL
-(no measured gain), fp16 on packed_linear (not measured), int4 on torch's packed kernel (nibble
-unpacking does not vectorize in Inductor's C++: 0.8-3 GB/s against 6.8).
+(no measured gain), fp16 on packed_linear (not measured). int4 linears (and int4_siblings' fused
+calls) take their own kernel, `fastflow_cpu::int4_gemv` (int4_gemv.py); without it they stay on
+torch's packed kernel (nibble unpacking does not vectorize in Inductor's C++: 0.8-3 GB/s against 6.8).
 
 Matched only where the activation has exactly one row and a static shape (multi-row prefill and
 batched decode keep the GEMM libraries), on CPU, and only when Inductor compiles the graph: run
@@ -47,6 +48,7 @@ from ..kernels import cpu_gemv, weight_cache
 from . import fx_utils as U
 from .cpu_linear import _weight_tensor
 from .gemv_kernel import KernelGemv, emit_kernel_calls
+from .int4_gemv import rewrite_int4
 
 COMPACT_PREFIX = "_fastflow_bf16_weight"
 
@@ -102,15 +104,6 @@ def _compact_weight(gm: fx.GraphModule, w_node, w: Tensor):
 
 def _first_op(graph: fx.Graph) -> fx.Node:
     return next(n for n in graph.nodes if n.op != "placeholder")
-
-
-def _drop_unused_constant(gm: fx.GraphModule, node) -> None:
-    """Free a constant (e.g. a horizontally fused fp32 weight) whose only reader was replaced."""
-    if isinstance(node, fx.Node) and node.op == "get_attr" and not node.users:
-        target = node.target
-        gm.graph.erase_node(node)
-        if not any(n.op == "get_attr" and n.target == target for n in gm.graph.nodes):
-            delattr(gm, target)
 
 
 def _replace(gm: fx.GraphModule, node: fx.Node, fn, args) -> None:
@@ -191,7 +184,7 @@ def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) -> bool
         return True  # the fp32 weight's constant (if any) is dropped once the kernel call replaced node
     _replace(gm, node, linear_rowwise, (x, weight_arg, b_node))
     if weight_arg is not w_node:
-        _drop_unused_constant(gm, w_node)
+        U.drop_unused_constant(gm, w_node)
     return True
 
 
@@ -204,8 +197,10 @@ def decode_gemv_pass(gm: fx.GraphModule, ctx) -> int:
             count += _rewrite(gm, ctx, node, kernel_gemvs)
         elif U.fastflow_op_name(node) == "int8_linear":
             count += _rewrite_int8(gm, ctx, node, kernel_gemvs)
+        else:
+            count += rewrite_int4(gm, ctx, node, _single_cpu_row, use_kernel)
     replaced_weights = [U.arg(g.node, 1, "weight") for g in kernel_gemvs]
     emit_kernel_calls(gm, kernel_gemvs)
     for w_node in replaced_weights:
-        _drop_unused_constant(gm, w_node)
+        U.drop_unused_constant(gm, w_node)
     return count

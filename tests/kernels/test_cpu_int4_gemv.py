@@ -1,0 +1,178 @@
+"""fastflow_cpu::int4_gemv, the CPU decode GEMV for group-wise int4 weights: its layout round trip,
+reference equality on odd shapes and dtypes, opcheck, clear errors, and its use by decode_gemv."""
+import pytest
+import torch
+
+import ffl_backend
+from ffl_backend.generation import configure_generate
+from ffl_backend.kernels import cpu_gemv
+from ffl_backend.kernels.quant_linear import int4_cpu_linear, int4_cpu_pack, int4_cpu_scale_zeros
+from ffl_backend.quant import primitives as P
+from tests.helpers import assert_matches_reference
+from tests.tiny_models import LAYERS
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.load(), reason=f"CPU GEMV kernel not built: {cpu_gemv.load_error()}")
+
+INT16_STEPS = 2 * 32639  # the kernel reads x per group as int16 in [-32639, 32639]: error <= max|x_g| / this
+
+
+def _quantized(n, k, group_size, seed=0):
+    """(codes, torch CPU scale/zero table, torch pack or None) of a random (n, k) weight."""
+    gen = torch.Generator().manual_seed(seed)
+    q, s, z = P.quantize_int4(torch.randn(n, k, generator=gen), group_size)
+    return q, int4_cpu_scale_zeros(s, z), int4_cpu_pack(P.pack_int4(q), s, z, group_size)[0]
+
+
+def _operands(n, k, group_size, xshape, xdtype, biased):
+    codes, scale_zeros, _ = _quantized(n, k, group_size)
+    packed, sz = cpu_gemv.int4_layout(codes, scale_zeros, group_size)
+    x = torch.randn(*xshape, k, dtype=xdtype)
+    bias = torch.randn(n, dtype=xdtype) if biased else None
+    return x, packed, sz, bias, group_size
+
+
+def _x_rounding_bound(x, packed, scale_zeros, bias, group_size):
+    """The most reading x as int16 per group can move an output: sum_k step_g / 2 * |w_k| (+ fp32 slack)."""
+    w = cpu_gemv.int4_gemv_ref(torch.eye(packed.shape[1] * 8, dtype=torch.float64), packed, scale_zeros, None,
+                               group_size).T.abs()  # (N, K) dequantized weights
+    rows = x.double().reshape(-1, x.shape[-1])
+    step = rows.abs().reshape(rows.shape[0], -1, group_size).amax(-1).repeat_interleave(group_size, -1) / INT16_STEPS
+    return (step @ w.T).max().item() + 1e-5
+
+
+def test_layout_round_trips_the_codes():
+    codes, scale_zeros, _ = _quantized(48, 40, 8)
+    packed, sz = cpu_gemv.int4_layout(codes, scale_zeros, 8)
+    assert packed.shape == (3, 5, 64) and sz.shape == (3, 5, 2, 16) and sz.dtype == torch.bfloat16
+    assert torch.equal(cpu_gemv.int4_layout_codes(packed), codes)
+    assert cpu_gemv.int4_layout_fits(48, 40, 8) and not cpu_gemv.int4_layout_fits(40, 40, 8)
+    assert not cpu_gemv.int4_layout_fits(48, 40, 12) and not cpu_gemv.int4_layout_fits(48, 36, 8)
+
+
+@pytest.mark.parametrize("n,k,group_size", [(64, 64, 32), (960, 576, 32), (576, 1536, 128), (128, 512, 256),
+                                            (192, 96, 32)])
+def test_reference_equals_torchs_int4_kernel_grid(n, k, group_size):
+    """The layout holds torch's grid w = (q - 8) s + z': the reference's weight (read through the
+    identity) is torch's int4 kernel's, which rounds its output to bf16."""
+    codes, scale_zeros, torch_pack = _quantized(n, k, group_size)
+    packed, sz = cpu_gemv.int4_layout(codes, scale_zeros, group_size)
+    eye = torch.eye(k)
+    expected = int4_cpu_linear(eye, torch_pack, scale_zeros, group_size, None)
+    torch.testing.assert_close(cpu_gemv.int4_gemv_ref(eye, packed, sz, None, group_size), expected,
+                               rtol=2.0**-8, atol=1e-6)
+
+
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,k,group_size", [(16, 8, 8), (48, 40, 8), (64, 96, 32), (960, 576, 32),
+                                            (32, 512, 256), (80, 192, 64)])
+@pytest.mark.parametrize("xshape", [(1,), (1, 1), (3,)])
+@pytest.mark.parametrize("biased", [False, True])
+def test_matches_reference(xdtype, n, k, group_size, xshape, biased):
+    args = _operands(n, k, group_size, xshape, xdtype, biased)
+    out = torch.ops.fastflow_cpu.int4_gemv(*args)
+    assert_matches_reference(out, cpu_gemv.int4_gemv_ref, args, atol=_x_rounding_bound(*args), interpreted=False)
+
+
+def test_a_zero_group_and_tiny_values():
+    """A group of x that is all zeros (step 0) adds nothing; x scaled by 2^-100 (each group keeps its
+    own step) gives exactly the output scaled by 2^-100 -- no underflow to a coarse grid."""
+    args = _operands(32, 64, 32, (1,), torch.float32, False)
+    x, packed, sz, _, g = args
+    x[0, :32] = 0
+    out = torch.ops.fastflow_cpu.int4_gemv(*args)
+    assert_matches_reference(out, cpu_gemv.int4_gemv_ref, args, atol=_x_rounding_bound(*args), interpreted=False)
+    tiny = torch.ops.fastflow_cpu.int4_gemv(x * 2.0**-100, packed, sz, None, g)
+    assert torch.equal(tiny, out * 2.0**-100)
+
+
+def test_threads_split_row_blocks():
+    args = _operands(80, 64, 32, (1,), torch.float32, True)
+    outs = []
+    for threads in (1, 2, 3):
+        previous = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            outs.append(torch.ops.fastflow_cpu.int4_gemv(*args))
+        finally:
+            torch.set_num_threads(previous)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])  # blocks are independent
+
+
+def test_opcheck():
+    torch.library.opcheck(torch.ops.fastflow_cpu.int4_gemv.default, _operands(32, 64, 32, (1,), torch.bfloat16, True))
+
+
+def test_bad_operands_raise_clear_errors():
+    x, packed, sz, _, g = _operands(32, 64, 32, (1,), torch.float32, False)
+    op = torch.ops.fastflow_cpu.int4_gemv
+    with pytest.raises(RuntimeError, match="multiple of 8 dividing K"):
+        op(x, packed, sz, None, 12)
+    with pytest.raises(RuntimeError, match=r"\(N/16, K/8, 64\) uint8"):
+        op(torch.randn(1, 72), packed, sz, None, 8)
+    with pytest.raises(RuntimeError, match=r"\(N/16, K/G, 2, 16\) bf16"):
+        op(x, packed, sz.float(), None, g)
+    with pytest.raises(RuntimeError, match="vector of its weight's 32 rows"):
+        op(x, packed, sz, torch.ones(31), g)
+
+
+def _wide_int4_llama(dtype):
+    """A tiny Llama whose linears have multiples of 64 rows (as SmolLM2's), int4 group 32."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from ffl_backend.quant import quantize
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=LAYERS,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    quantize(model, {"scheme": "int4", "group_size": 32})
+    return model
+
+
+def _decode(model, cpu_gemv_option):
+    torch._dynamo.reset()
+    ffl_backend.clear_reports()
+    configure_generate(model, backend="fastflow", options={"on_error": "raise", "cpu_gemv": cpu_gemv_option})
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    model.generate(ids, **kw)  # compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        out = model.generate(ids, **kw)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "fastflow_cpu::int4_gemv")
+    return out, calls, ffl_backend.last_report()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_takes_the_kernel_for_fused_and_single_int4_linears(dtype):
+    """Per decode step and layer: q/k/v (fused by int4_siblings), o, gate/up (fused) and down each one
+    int4_gemv call; the logits match torch's int4 kernel (option cpu_gemv="loops")."""
+    model = _wide_int4_llama(dtype)
+    torch_kernel, torch_calls, _ = _decode(model, "loops")
+    kernel, calls, report = _decode(model, "auto")
+    steps = len(kernel.logits) - 1  # the first token comes from the (multi-row) prefill
+    assert torch_calls == 0 and calls == steps * 4 * LAYERS
+    assert report.matches["decode_gemv"] >= 4 * LAYERS
+    for a, b in zip(kernel.logits, torch_kernel.logits):  # torch's kernel rounds x to bf16, this one does not
+        torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 if dtype == torch.float32 else 0.1)
+
+
+@pytest.mark.parametrize("rows,takes", [(64, True), (192, True), (48, False), (96, False)])
+def test_only_rows_in_blocks_of_64_take_the_kernel(rows, takes):
+    """The layout is made from torch's pack, read back only for rows in blocks of 64; other row
+    counts keep torch's kernel, with the same result either way."""
+    from ffl_backend.quant import quantize
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, rows)).to(torch.bfloat16)
+    quantize(model, {"scheme": "int4", "group_size": 32, "skip": ()})
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        expected = model(x)
+        torch._dynamo.reset()
+        compiled = torch.compile(model, backend="fastflow", options={"on_error": "raise"})
+        compiled(x)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            out = compiled(x)
+    calls = sum(e.count for e in prof.key_averages() if e.key == "fastflow_cpu::int4_gemv")
+    assert calls == int(takes)
+    torch.testing.assert_close(out, expected, rtol=0.02, atol=0.02)
