@@ -227,23 +227,53 @@ struct QuantizedRow {  // one activation row read as per-group int16, split into
   std::vector<float> step, sum;  // per group: x = step * x16; sum of the x16 * step
 };
 
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// Vectorized per group: G is a multiple of 8; 16 lanes at a time, a masked tail for G % 16 == 8.
+void quantize_group(const float* xg, int64_t G, int8_t* hi, int8_t* lo, float* step, float* sum) {
+  __m512 largest = _mm512_setzero_ps();
+  for (int64_t k = 0; k < G; k += 16) {
+    const __mmask16 m = G - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - k)) - 1);
+    largest = _mm512_max_ps(largest, _mm512_abs_ps(_mm512_maskz_loadu_ps(m, xg + k)));
+  }
+  const float top = _mm512_reduce_max_ps(largest);
+  const __m512 inv = _mm512_set1_ps(top > 0.f ? kInt16Max / top : 0.f);
+  const __m512i bound = _mm512_set1_epi32(32639), rounding = _mm512_set1_epi32(128);
+  __m512i total = _mm512_setzero_si512();
+  for (int64_t k = 0; k < G; k += 16) {
+    const __mmask16 m = G - k >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (G - k)) - 1);
+    __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, xg + k), inv));  // to nearest even
+    v = _mm512_max_epi32(_mm512_min_epi32(v, bound), _mm512_sub_epi32(_mm512_setzero_si512(), bound));
+    const __m512i high = _mm512_srai_epi32(_mm512_add_epi32(v, rounding), 8);
+    const __m512i low = _mm512_sub_epi32(v, _mm512_slli_epi32(high, 8));
+    _mm_mask_storeu_epi8(hi + k, m, _mm512_cvtepi32_epi8(high));
+    _mm_mask_storeu_epi8(lo + k, m, _mm512_cvtepi32_epi8(low));
+    total = _mm512_add_epi32(total, v);
+  }
+  *step = top > 0.f ? top / kInt16Max : 0.f;
+  *sum = static_cast<float>(_mm512_reduce_add_epi32(total)) * *step;
+}
+#else
+void quantize_group(const float* xg, int64_t G, int8_t* hi, int8_t* lo, float* step, float* sum) {
+  float largest = 0.f;
+  for (int64_t k = 0; k < G; ++k) largest = std::max(largest, std::fabs(xg[k]));
+  const float inv = largest > 0.f ? kInt16Max / largest : 0.f;
+  int64_t total = 0;
+  for (int64_t k = 0; k < G; ++k) {
+    const int32_t v = std::clamp(static_cast<int32_t>(std::nearbyint(xg[k] * inv)), -32639, 32639);
+    const int32_t high = (v + 128) >> 8;
+    hi[k] = static_cast<int8_t>(high);
+    lo[k] = static_cast<int8_t>(v - high * 256);
+    total += v;
+  }
+  *step = largest > 0.f ? largest / kInt16Max : 0.f;
+  *sum = static_cast<float>(total) * *step;
+}
+#endif
+
 QuantizedRow quantize_row(const float* x, int64_t K, int64_t G) {
   QuantizedRow q{std::vector<int8_t>(K), std::vector<int8_t>(K), std::vector<float>(K / G), std::vector<float>(K / G)};
   for (int64_t g = 0; g < K / G; ++g) {
-    const float* xg = x + g * G;
-    float largest = 0.f;
-    for (int64_t k = 0; k < G; ++k) largest = std::max(largest, std::fabs(xg[k]));
-    const float inv = largest > 0.f ? kInt16Max / largest : 0.f;
-    int64_t total = 0;
-    for (int64_t k = 0; k < G; ++k) {
-      const int32_t v = std::clamp(static_cast<int32_t>(std::nearbyint(xg[k] * inv)), -32639, 32639);
-      const int32_t high = (v + 128) >> 8;
-      q.hi[g * G + k] = static_cast<int8_t>(high);
-      q.lo[g * G + k] = static_cast<int8_t>(v - high * 256);
-      total += v;
-    }
-    q.step[g] = largest > 0.f ? largest / kInt16Max : 0.f;
-    q.sum[g] = static_cast<float>(total) * q.step[g];
+    quantize_group(x + g * G, G, &q.hi[g * G], &q.lo[g * G], &q.step[g], &q.sum[g]);
   }
   return q;
 }
