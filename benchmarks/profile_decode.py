@@ -22,8 +22,8 @@ import torch
 from ffl_backend.bench.grid import report_row
 
 GROUPS = {  # first matching rule wins; keys are profiler event names (substrings)
-    "gemv (aten::mm / packed / int8 / int4 / fastflow_cpu::gemv)": (
-        "aten::mm", "mkldnn::_linear_pointwise", "_weight_int8pack_mm", "_weight_int4pack_mm", "fastflow_cpu::gemv"),
+    "gemv (aten::mm / packed / int8 / int4 / fastflow_cpu::gemv, int4_gemv)": (
+        "aten::mm", "mkldnn::_linear_pointwise", "_weight_int8pack_mm", "_weight_int4pack_mm", "fastflow_cpu::"),
     "attention (aten sdpa)": ("scaled_dot_product",),
     "compiled graph wrapper (Python)": ("## Call CompiledFxGraph",),
     "Dynamo guards": ("TorchDynamo Cache Lookup",),
