@@ -24,3 +24,16 @@ def _fresh_dynamo():
     compile can be served code Dynamo cached for an earlier test's identical model and see none."""
     torch._dynamo.reset()
     yield
+
+
+@pytest.fixture(params=["fastflow", "torch"])
+def int4_form(request, monkeypatch):
+    """Which CPU form int4 modules get: fastflow's kernel layout (where that kernel is built) or
+    torch's pack (what machines without it get)."""
+    from ffl_backend.kernels import cpu_gemv
+
+    if request.param == "torch":
+        monkeypatch.setattr(cpu_gemv, "load", lambda: False)
+    elif not cpu_gemv.load():
+        pytest.skip(f"CPU kernels not built: {cpu_gemv.load_error()}")
+    return request.param

@@ -344,8 +344,9 @@ void int4_block(const uint8_t* w, const c10::BFloat16* sz, const QuantizedRow& x
 }
 #endif
 
-// x (..., K) rows times the int4 matrix -> (..., N) in x's dtype; bias (N,) or none. Rows one at a
-// time (the kernel is meant for decode steps); each row's blocks are split across threads.
+// x (..., K) rows times the int4 matrix -> (..., N) in x's dtype; bias (N,) or none. Threads split the
+// row blocks; each block (a few KB of codes) meets every row of x while it sits in L1, so M rows cost
+// one pass over the weights plus M times the arithmetic (prefill), not M passes.
 at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale_zeros,
                      const std::optional<at::Tensor>& bias, int64_t group_size) {
   const int64_t K = x.size(-1), blocks = packed.size(0), N = blocks * kInt4Rows, G = group_size;
@@ -369,15 +370,17 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   const c10::BFloat16* sz = scale_zeros.const_data_ptr<c10::BFloat16>();
   const int64_t grain = std::max<int64_t>(1, kMinParallelElements / (kInt4Rows * std::max<int64_t>(K, 1)));
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (blocks + grain - 1) / grain));
-  for (int64_t m = 0; m < M; ++m) {
-    const QuantizedRow q = quantize_row(x32.data() + m * K, K, G);
-    float* y = y32.data() + m * N;
+  std::vector<QuantizedRow> q;
+  for (int64_t m = 0; m < M; ++m) q.push_back(quantize_row(x32.data() + m * K, K, G));
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t r = 0; r < blocks; ++r) {
-      int4_block(w + r * (K / kInt4ChunkK) * kInt4ChunkBytes, sz + r * (K / G) * 2 * kInt4Rows, q, K, G,
-                 y + r * kInt4Rows);
+  for (int64_t r = 0; r < blocks; ++r) {
+    for (int64_t m = 0; m < M; ++m) {
+      int4_block(w + r * (K / kInt4ChunkK) * kInt4ChunkBytes, sz + r * (K / G) * 2 * kInt4Rows, q[m], K, G,
+                 y32.data() + m * N + r * kInt4Rows);
     }
-    for (int64_t n = 0; n < static_cast<int64_t>(b.size()); ++n) y[n] += b[n];
+  }
+  for (int64_t m = 0; m < static_cast<int64_t>(b.empty() ? 0 : M); ++m) {
+    for (int64_t n = 0; n < N; ++n) y32[m * N + n] += b[n];
   }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;

@@ -22,9 +22,9 @@ So the family takes bf16 linears, `fastflow.int8_linear` (weight-only int8; the 
 the sum), and fp32 linears whose weight values are all exactly representable in bf16 (a bf16
 checkpoint loaded in fp32, as SmolLM2 is): those read a bf16 copy of the weight, half the bytes,
 with the same products and the same fp32 accumulation -- lossless. Other fp32 weights stay on MKL
-(no measured gain), fp16 on packed_linear (not measured). int4 linears (and int4_siblings' fused
-calls) take their own kernel, `fastflow_cpu::int4_gemv` (int4_gemv.py); without it they stay on
-torch's packed kernel (nibble unpacking does not vectorize in Inductor's C++: 0.8-3 GB/s against 6.8).
+(no measured gain), fp16 on packed_linear (not measured). int4 linears are not this family's: their
+modules already run fastflow's int4 kernel (kernels/quant_linear.py), or torch's packed one where it
+cannot be built (nibble unpacking does not vectorize in Inductor's C++: 0.8-3 GB/s against 6.8).
 
 Matched only where the activation has exactly one row and a static shape (multi-row prefill and
 batched decode keep the GEMM libraries), on CPU, and only when Inductor compiles the graph: run
@@ -48,7 +48,6 @@ from ..kernels import cpu_gemv, weight_cache
 from . import fx_utils as U
 from .cpu_linear import _weight_tensor
 from .gemv_kernel import KernelGemv, emit_kernel_calls
-from .int4_gemv import rewrite_int4
 
 COMPACT_PREFIX = "_fastflow_bf16_weight"
 
@@ -197,8 +196,6 @@ def decode_gemv_pass(gm: fx.GraphModule, ctx) -> int:
             count += _rewrite(gm, ctx, node, kernel_gemvs)
         elif U.fastflow_op_name(node) == "int8_linear":
             count += _rewrite_int8(gm, ctx, node, kernel_gemvs)
-        else:
-            count += rewrite_int4(gm, ctx, node, _single_cpu_row, use_kernel)
     replaced_weights = [U.arg(g.node, 1, "weight") for g in kernel_gemvs]
     emit_kernel_calls(gm, kernel_gemvs)
     for w_node in replaced_weights:

@@ -28,7 +28,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from ..kernels import weight_cache
-from ..kernels.quant_linear import int4_cpu_linear, int4_cpu_pack, int4_cpu_unpack
+from ..kernels.quant_linear import int4_cpu_codes, int4_cpu_form, int4_cpu_linear, int4_cpu_pack
 from . import fx_utils as U
 from .siblings import shared_base, sibling_groups
 
@@ -56,18 +56,25 @@ def _key(kind: str, tensors: list) -> str:
     return kind + ":" + ",".join(f"{t.data_ptr()}/{t._version}" for t in tensors[1:])
 
 
+def _rows_dim(packs: list) -> int:
+    """The dim along which a CPU form's scale/zero table runs over rows: 0 in fastflow's layout
+    ((N/16, K/G, 2, 16)), 1 in torch's ((K/G, N, 2))."""
+    return 0 if packs[0].dim() == 3 else 1
+
+
 def _fused_pack(portables: list, packs: list, scale_zeros: list, group_size: int):
-    """torch's CPU form (packed, scale_zeros) of the row-concatenated weights, or (None, None): the
-    members' own packs when they already are consecutive slices of one tensor, else a new pack."""
+    """The CPU form (packed, scale_zeros) of the row-concatenated weights, or (None, None): the
+    members' own packs when they already are consecutive slices of one tensor, else a new form."""
     base = shared_base(packs)
     if base is not None:
-        return base, weight_cache.derived(_key("int4_scale_zeros", scale_zeros), scale_zeros[0],
-                                          lambda _: torch.cat(scale_zeros, dim=1))
+        table = shared_base(scale_zeros) if packs[0].dim() == 3 else None
+        return base, table if table is not None else weight_cache.derived(
+            _key("int4_scale_zeros", scale_zeros), scale_zeros[0], lambda _: torch.cat(scale_zeros, dim=_rows_dim(packs)))
 
     def make(_):
         codes = [_codes(p[0], pack) for p, pack in zip(portables, packs)]
         q, s, z = torch.cat(codes), *(torch.cat([p[i] for p in portables]) for i in (1, 2))
-        return int4_cpu_pack(q, s, z, group_size)
+        return int4_cpu_form(q, s, z, group_size)
     return weight_cache.derived(_key("int4_siblings", [p[0] for p in portables]), portables[0][0], make)
 
 
@@ -75,7 +82,13 @@ def _codes(qweight: Tensor, pack: Tensor) -> Tensor:
     """A member's portable codes: its `qweight`, or rebuilt from its pack where only that is kept."""
     from ..quant.modules import is_stand_in
 
-    return int4_cpu_unpack(pack, qweight.shape[0], qweight.shape[1] * 2) if is_stand_in(qweight) else qweight
+    return int4_cpu_codes(pack, qweight.shape[0], qweight.shape[1] * 2) if is_stand_in(qweight) else qweight
+
+
+def _forms_concatenate(packs: list, rows: tuple, in_features: int, group_size: int) -> bool:
+    """Whether the CPU form of row-concatenated weights is the concatenation of the members' forms:
+    always in fastflow's layout (blocks of 16 rows), checked on torch's packing otherwise."""
+    return packs[0].dim() == 3 or _packs_concatenate(rows, in_features, group_size)
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,9 +107,9 @@ def _packs_concatenate(rows: tuple, in_features: int, group_size: int) -> bool:
 
 @torch.no_grad()
 def share_sibling_packs(model: torch.nn.Module) -> int:
-    """Re-point the torch CPU packs of sibling int4 linears (q/k/v, gate/up) to consecutive slices of
-    one tensor where that tensor is exactly the pack of their concatenation, so fusing them later
-    copies nothing. Values and results are unchanged; returns the number of groups sharing one pack."""
+    """Re-point the CPU forms of sibling int4 linears (q/k/v, gate/up) to consecutive slices of one
+    tensor where that tensor is exactly the form of their concatenation, so fusing them later copies
+    nothing. Values and results are unchanged; returns the number of groups sharing one form."""
     from ..quant.modules import Int4Linear
 
     shared = 0
@@ -104,16 +117,27 @@ def share_sibling_packs(model: torch.nn.Module) -> int:
         if any(m.cpu_packed is None for m in members) or len({(m.in_features, m.group_size) for m in members}) != 1:
             continue
         packs = [m.cpu_packed for m in members]
+        if len({p.dim() for p in packs}) != 1:
+            continue
         if shared_base(packs) is None:
             rows = tuple(m.out_features for m in members)
-            if not _packs_concatenate(rows, members[0].in_features, members[0].group_size):
+            if not _forms_concatenate(packs, rows, members[0].in_features, members[0].group_size):
                 continue
-            fused, start = torch.cat(packs), 0
-            for m in members:
-                m.cpu_packed = fused[start:start + m.out_features]
-                start += m.out_features
+            _share(members, "cpu_packed")
+        if packs[0].dim() == 3 and shared_base([m.cpu_scale_zeros for m in members]) is None:
+            _share(members, "cpu_scale_zeros")  # fastflow's layout: the tables concatenate as well
         shared += 1
     return shared
+
+
+def _share(members: list, name: str) -> None:
+    """Re-point each member's tensor `name` to its slice of their concatenation (along dim 0, in
+    whole units of that dim: rows, or blocks of 16 rows in fastflow's layout)."""
+    parts = [getattr(m, name) for m in members]
+    fused, start = torch.cat(parts), 0
+    for m, part in zip(members, parts):
+        setattr(m, name, fused[start:start + part.shape[0]])
+        start += part.shape[0]
 
 
 def _constant(gm: fx.GraphModule, tensor: Tensor) -> fx.Node:

@@ -126,25 +126,26 @@ class Int4Linear(QuantizedLinear):
         if is_stand_in(self.qweight):  # finalized before: start again from the real codes
             self.qweight = self.portable_qweight()
         super().finalize()
-        self.cpu_packed, self.cpu_scale_zeros = K.int4_cpu_pack(self.qweight, self.scale, self.zero, self.group_size)
+        self.cpu_packed, self.cpu_scale_zeros = K.int4_cpu_form(self.qweight, self.scale, self.zero, self.group_size)
         self._keep_codes_in_pack()
         return self
 
     def _keep_codes_in_pack(self) -> None:
-        """Keep one copy of the codes on CPU. The CPU kernels read only torch's pack, so where
-        unpacking the pack gives back exactly `qweight` (checked on these codes), `qweight` becomes a
-        stand-in of its shape (stride 0, one byte) and `portable_qweight()` rebuilds the codes for
-        saving, reports and moves to another device. Halves an int4 model's CPU memory."""
+        """Keep one copy of the codes on CPU. The CPU kernels read only their own form (fastflow's
+        layout or torch's pack), so where unpacking it gives back exactly `qweight` (checked on these
+        codes), `qweight` becomes a stand-in of its shape (stride 0, one byte) and `portable_qweight()`
+        rebuilds the codes for saving, reports and moves to another device. Halves an int4 model's CPU
+        memory."""
         if self.cpu_packed is None:
             return
-        rebuilt = K.int4_cpu_unpack(self.cpu_packed, self.out_features, self.in_features)
+        rebuilt = K.int4_cpu_codes(self.cpu_packed, self.out_features, self.in_features)
         if rebuilt is not None and torch.equal(rebuilt, self.qweight):
             self.qweight = torch.zeros((), dtype=torch.uint8).expand(self.out_features, self.in_features // 2)
 
     def portable_qweight(self) -> Tensor:
         """The (N, K/2) codes in the portable layout (quant/primitives.py), wherever they are kept."""
         if is_stand_in(self.qweight):
-            return K.int4_cpu_unpack(self.cpu_packed, self.out_features, self.in_features)
+            return K.int4_cpu_codes(self.cpu_packed, self.out_features, self.in_features)
         return self.qweight
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
@@ -179,7 +180,7 @@ class Int4Linear(QuantizedLinear):
 
 
 def is_stand_in(t) -> bool:
-    """Whether an int4 `qweight` is the stride-0 stand-in of codes kept only in torch's CPU pack."""
+    """Whether an int4 `qweight` is the stride-0 stand-in of codes kept only in a CPU kernel's form."""
     return isinstance(t, Tensor) and t.dim() == 2 and t.numel() > 1 and t.stride() == (0, 0)
 
 

@@ -115,64 +115,54 @@ def test_bad_operands_raise_clear_errors():
         op(x, packed, sz, torch.ones(31), g)
 
 
-def _wide_int4_llama(dtype):
-    """A tiny Llama whose linears have multiples of 64 rows (as SmolLM2's), int4 group 32."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
+def _int4_llama(dtype):
+    """A tiny Llama, int4 group 32: q/o 64 rows, k/v 32, gate/up 96 (multiples of 16, not all of 64)."""
     from ffl_backend.quant import quantize
+    from tests.tiny_models import tiny_model
 
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=192, num_hidden_layers=LAYERS,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    model = tiny_model("llama", dtype=dtype)
     quantize(model, {"scheme": "int4", "group_size": 32})
     return model
 
 
-def _decode(model, cpu_gemv_option):
-    torch._dynamo.reset()
-    ffl_backend.clear_reports()
-    configure_generate(model, backend="fastflow", options={"on_error": "raise", "cpu_gemv": cpu_gemv_option})
-    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
-    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    model.generate(ids, **kw)  # compiles
+def _int4_gemv_calls(fn):
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        out = model.generate(ids, **kw)
-    calls = sum(e.count for e in prof.key_averages() if e.key == "fastflow_cpu::int4_gemv")
-    return out, calls, ffl_backend.last_report()
+        out = fn()
+    return out, sum(e.count for e in prof.key_averages() if e.key == "fastflow_cpu::int4_gemv")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_decode_takes_the_kernel_for_fused_and_single_int4_linears(dtype):
-    """Per decode step and layer: q/k/v (fused by int4_siblings), o, gate/up (fused) and down each one
-    int4_gemv call; the logits match torch's int4 kernel (option cpu_gemv="loops")."""
-    model = _wide_int4_llama(dtype)
-    torch_kernel, torch_calls, _ = _decode(model, "loops")
-    kernel, calls, report = _decode(model, "auto")
-    steps = len(kernel.logits) - 1  # the first token comes from the (multi-row) prefill
-    assert torch_calls == 0 and calls == steps * 4 * LAYERS
-    assert report.matches["decode_gemv"] >= 4 * LAYERS
-    for a, b in zip(kernel.logits, torch_kernel.logits):  # torch's kernel rounds x to bf16, this one does not
-        torch.testing.assert_close(a, b, rtol=0.02, atol=0.02 if dtype == torch.float32 else 0.1)
+def test_generate_runs_every_int4_linear_on_the_kernel(dtype):
+    """Eager and compiled (fastflow) generate: every int4 linear of the prefill and of each decode
+    step is one kernel call (compiled: q/k/v and gate/up fused, 4 per layer), and both decode alike."""
+    model = _int4_llama(dtype)
+    ids = torch.randint(3, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    eager, eager_calls = _int4_gemv_calls(lambda: model.generate(ids, **kw))
+    assert eager_calls == 10 * 7 * LAYERS  # the prefill and 9 decode steps, 7 linears per layer
+    configure_generate(model, backend="fastflow", options={"on_error": "raise"})
+    model.generate(ids, **kw)  # compiles
+    compiled, calls = _int4_gemv_calls(lambda: model.generate(ids, **kw))
+    assert calls == 7 * LAYERS + 9 * 4 * LAYERS  # the prefill's symbolic-length graph is not fused
+    if dtype == torch.float32:
+        assert torch.equal(compiled.sequences, eager.sequences)
+    for a, b in zip(compiled.logits, eager.logits):
+        torch.testing.assert_close(a, b, rtol=1e-3 if dtype == torch.float32 else 0.02,
+                                   atol=1e-3 if dtype == torch.float32 else 0.05)
 
 
-@pytest.mark.parametrize("rows,takes", [(64, True), (192, True), (48, False), (96, False)])
-def test_only_rows_in_blocks_of_64_take_the_kernel(rows, takes):
-    """The layout is made from torch's pack, read back only for rows in blocks of 64; other row
-    counts keep torch's kernel, with the same result either way."""
+@pytest.mark.parametrize("rows,kernel", [(64, True), (48, True), (40, False)])
+def test_rows_not_in_blocks_of_16_keep_the_reference(rows, kernel):
+    """The layout holds 16 rows to a vector: other row counts (which torch's CPU pack refuses as well)
+    run the reference; the result matches it either way."""
+    from ffl_backend.kernels.quant_linear import int4_linear_ref
     from ffl_backend.quant import quantize
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(64, rows)).to(torch.bfloat16)
+    model = torch.nn.Sequential(torch.nn.Linear(64, rows))
     quantize(model, {"scheme": "int4", "group_size": 32, "skip": ()})
-    x = torch.randn(1, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        expected = model(x)
-        torch._dynamo.reset()
-        compiled = torch.compile(model, backend="fastflow", options={"on_error": "raise"})
-        compiled(x)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-            out = compiled(x)
-    calls = sum(e.count for e in prof.key_averages() if e.key == "fastflow_cpu::int4_gemv")
-    assert calls == int(takes)
-    torch.testing.assert_close(out, expected, rtol=0.02, atol=0.02)
+    m, x = model[0], torch.randn(2, 64)
+    out, calls = _int4_gemv_calls(lambda: model(x))
+    assert calls == int(kernel) and (m.cpu_packed is not None) == kernel
+    expected = int4_linear_ref(x, m.portable_qweight(), m.scale, m.zero, 32, m.bias)
+    # the kernels' scale/zero table is bf16 (torch's grid): a relative error of ~2^-9 per weight
+    assert ((out - expected).norm() / expected.norm()).item() < (4e-3 if kernel else 1e-6)

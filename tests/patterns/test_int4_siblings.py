@@ -5,7 +5,7 @@ import torch
 
 import ffl_backend
 from ffl_backend.config import PATTERN_FAMILIES
-from ffl_backend.kernels.quant_linear import int4_cpu_linear, int4_cpu_pack
+from ffl_backend.kernels.quant_linear import int4_cpu_form, int4_cpu_linear, int4_cpu_pack
 from ffl_backend.patterns import int4_siblings
 from ffl_backend.patterns.siblings import shared_base
 from ffl_backend.quant import primitives as P
@@ -92,25 +92,32 @@ def test_packs_concatenate_only_in_blocks_of_64():
     assert not int4_siblings._packs_concatenate((48, 16, 32), 192, 32)
 
 
-def test_quantize_shares_sibling_packs_and_fusion_copies_nothing(monkeypatch):
+def test_quantize_shares_sibling_packs_and_fusion_copies_nothing(monkeypatch, int4_form):
     model = _wide_llama()
     ids = torch.randint(3, 128, (1, 9))
     quantize(model, {"scheme": "int4", "group_size": 32})
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     for members in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
         assert shared_base([m.cpu_packed for m in members]) is not None
+        # fastflow's layout shares the scale/zero tables too (torch's run over rows in dim 1)
+        assert (shared_base([m.cpu_scale_zeros for m in members]) is not None) == (int4_form == "fastflow")
     unfused = _logits(model, ids, tuple(f for f in PATTERN_FAMILIES if f != "horizontal"))
     packed_again = []
-    monkeypatch.setattr(int4_siblings, "int4_cpu_pack", lambda *a: packed_again.append(1) or int4_cpu_pack(*a))
+    monkeypatch.setattr(int4_siblings, "int4_cpu_form", lambda *a: packed_again.append(1) or int4_cpu_form(*a))
     fused = _logits(model, ids, PATTERN_FAMILIES)
     assert ffl_backend.last_report().matches["horizontal"] == 2 * LAYERS
     assert packed_again == []  # the fused weight is the members' own shared pack
     torch.testing.assert_close(fused, unfused, rtol=0, atol=0)
 
 
-def test_siblings_that_do_not_concatenate_keep_their_own_packs():
-    model = tiny_model("llama", dtype=torch.bfloat16)  # k_proj has 32 rows, gate/up 96
+def test_siblings_share_a_form_only_where_it_concatenates(int4_form):
+    """The tiny Llama's siblings (q 64 rows, k/v 32, gate/up 96): fastflow's layout (blocks of 16
+    rows) concatenates; torch's pack of 32 or 96 rows does not."""
+    model = tiny_model("llama", dtype=torch.bfloat16)
     quantize(model, {"scheme": "int4", "group_size": 32})
     attn = model.model.layers[0].self_attn
-    assert shared_base([attn.q_proj.cpu_packed, attn.k_proj.cpu_packed, attn.v_proj.cpu_packed]) is None
-    assert int4_siblings.share_sibling_packs(model) == 0
+    shared = shared_base([attn.q_proj.cpu_packed, attn.k_proj.cpu_packed, attn.v_proj.cpu_packed])
+    if int4_form == "fastflow":
+        assert shared is not None and int4_siblings.share_sibling_packs(model) == 2 * LAYERS
+    else:
+        assert shared is None and int4_siblings.share_sibling_packs(model) == 0

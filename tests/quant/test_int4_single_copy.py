@@ -1,5 +1,6 @@
-"""int4 on CPU keeps its codes once, in torch's CPU pack; the portable `qweight` is rebuilt from it for
-saving, reports and moves, and stays where the pack's layout is not known."""
+"""int4 on CPU keeps its codes once, in the CPU kernel's form (fastflow's layout, or torch's pack where
+fastflow's kernel is not built); the portable `qweight` is rebuilt from it for saving, reports and
+moves, and stays where the form's layout is not known (torch's pack of rows not in blocks of 64)."""
 import copy
 
 import pytest
@@ -37,8 +38,9 @@ def _module(out_features, in_features=96):
     return Int4Linear.from_linear(linear, QuantConfig("int4", group_size=32)), P.pack_int4(codes)
 
 
-def test_module_keeps_one_copy_and_rebuilds_its_codes():
+def test_module_keeps_one_copy_and_rebuilds_its_codes(int4_form):
     m, qweight = _module(128)
+    assert m.cpu_packed.dim() == (3 if int4_form == "fastflow" else 2)
     assert is_stand_in(m.qweight) and m.qweight.untyped_storage().nbytes() == 1
     assert torch.equal(m.portable_qweight(), qweight)
     x = torch.randn(3, 96)
@@ -50,7 +52,7 @@ def test_module_keeps_one_copy_and_rebuilds_its_codes():
 
 
 @pytest.mark.parametrize("change", ["finalize", "deepcopy", "float", "load_state_dict"])
-def test_codes_survive_what_users_do_to_modules(change):
+def test_codes_survive_what_users_do_to_modules(change, int4_form):
     m, qweight = _module(128)
     if change == "finalize":
         m.finalize()
@@ -63,26 +65,29 @@ def test_codes_survive_what_users_do_to_modules(change):
         fresh.load_state_dict(m.state_dict())
         m = fresh.finalize()
     assert is_stand_in(m.qweight) and torch.equal(m.portable_qweight(), qweight)
-    assert torch.equal(K.int4_cpu_unpack(m.cpu_packed, 128, 96), qweight)
+    assert torch.equal(K.int4_cpu_codes(m.cpu_packed, 128, 96), qweight)
 
 
-def test_moving_off_cpu_carries_the_real_codes():
+def test_moving_off_cpu_carries_the_real_codes(int4_form):
     m, qweight = _module(128)
     moved = m.to("meta")
     assert not is_stand_in(moved.qweight) and moved.qweight.shape == qweight.shape
 
 
-def test_rows_of_an_unknown_layout_keep_their_portable_codes():
+def test_rows_of_an_unknown_layout_keep_their_portable_codes(int4_form):
     m, qweight = _module(48)  # torch packs 48 rows in another layout: nothing to rebuild from
-    assert m.cpu_packed is not None and not is_stand_in(m.qweight) and torch.equal(m.qweight, qweight)
+    assert m.cpu_packed is not None and torch.equal(m.portable_qweight(), qweight)
+    assert is_stand_in(m.qweight) == (int4_form == "fastflow")  # fastflow's layout takes any 16 rows
 
 
-def test_quantized_model_round_trips_through_stand_ins(tmp_path):
-    """A tiny Llama's 64-row int4 linears keep one copy, its 32- and 96-row ones two; saving writes the
-    real codes and loading gives the same logits."""
+def test_quantized_model_round_trips_through_stand_ins(tmp_path, int4_form):
+    """A tiny Llama's int4 linears keep one copy (in torch's pack only its 64-row ones; its 32- and
+    96-row ones two); saving writes the real codes and loading gives the same logits."""
     model = ffl_backend.quantize(tiny_model("llama"), QuantConfig("int4", group_size=32))
     held = {n for n, m in quantized_modules(model).items() if is_stand_in(m.qweight)}
-    assert held and all(quantized_modules(model)[n].out_features % 64 == 0 for n in held)
+    rows = {n: m.out_features for n, m in quantized_modules(model).items()}
+    assert held == {n for n, r in rows.items() if r % (16 if int4_form == "fastflow" else 64) == 0}
+    assert set(rows.values()) == {32, 64, 96}
     save_quantized(model, tmp_path)
     loaded = ffl_backend.load_quantized(tmp_path)
     assert {n for n, m in quantized_modules(loaded).items() if is_stand_in(m.qweight)} == held
