@@ -105,6 +105,15 @@ def _first_op(graph: fx.Graph) -> fx.Node:
     return next(n for n in graph.nodes if n.op != "placeholder")
 
 
+def _drop_unused_constant(gm: fx.GraphModule, node) -> None:
+    """Free a constant (e.g. a horizontally fused fp32 weight) whose only reader was replaced."""
+    if isinstance(node, fx.Node) and node.op == "get_attr" and not node.users:
+        target = node.target
+        gm.graph.erase_node(node)
+        if not any(n.op == "get_attr" and n.target == target for n in gm.graph.nodes):
+            delattr(gm, target)
+
+
 def _replace(gm: fx.GraphModule, node: fx.Node, fn, args) -> None:
     new = U.copy_meta(U.call_op(gm.graph, fn, args, node), node)
     node.replace_all_uses_with(new)
@@ -183,7 +192,7 @@ def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) -> bool
         return True  # the fp32 weight's constant (if any) is dropped once the kernel call replaced node
     _replace(gm, node, linear_rowwise, (x, weight_arg, b_node))
     if weight_arg is not w_node:
-        U.drop_unused_constant(gm, w_node)
+        _drop_unused_constant(gm, w_node)
     return True
 
 
@@ -199,5 +208,5 @@ def decode_gemv_pass(gm: fx.GraphModule, ctx) -> int:
     replaced_weights = [U.arg(g.node, 1, "weight") for g in kernel_gemvs]
     emit_kernel_calls(gm, kernel_gemvs)
     for w_node in replaced_weights:
-        U.drop_unused_constant(gm, w_node)
+        _drop_unused_constant(gm, w_node)
     return count

@@ -150,12 +150,3 @@ def fastflow_op_name(node: fx.Node) -> str | None:
     if isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("fastflow::"):
         return target._qualified_op_name.split("::", 1)[1]
     return None
-
-
-def drop_unused_constant(gm: fx.GraphModule, node) -> None:
-    """Free a constant (e.g. a horizontally fused weight) whose only reader was replaced."""
-    if isinstance(node, fx.Node) and node.op == "get_attr" and not node.users:
-        target = node.target
-        gm.graph.erase_node(node)
-        if not any(n.op == "get_attr" and n.target == target for n in gm.graph.nodes):
-            delattr(gm, target)

@@ -1,16 +1,17 @@
 """Horizontal fusion for int4 linears on CPU: siblings reading one input become one packed GEMM.
 
-An int4 model's decode step calls torch's `_weight_int4pack_mm_for_cpu` once per linear: 7 per
-Llama layer. At batch 1 each call is a few microseconds of fixed cost (the compiled wrapper's Python
+An int4 model's decode step calls its CPU int4 kernel (fastflow's `int4_gemv`, or torch's
+`_weight_int4pack_mm_for_cpu` where that is not built) once per linear: 7 per Llama layer. At batch 1 each call is a few microseconds of fixed cost (the compiled wrapper's Python
 line, the dispatcher, a thread fork/join) on ~20 us of work, so q/k/v and gate/up -- linears that
 read the same activation -- are fused into one call each, as `horizontal` does for dense linears:
 7 calls per layer become 4 (SmolLM2 int4-all decode: 104 -> 113 tok/s, measured in one process).
 int8 linears are left alone: decode_gemv reads their siblings in one call of the CPU GEMV kernel
 with no fused copy.
 
-torch's CPU packing blocks rows in 64s, so concatenating packed tensors is right only when every
-member but the last has a multiple of 64 rows (tests/patterns/test_int4_siblings.py). Where it is,
-`share_sibling_packs` (run by quantize() and the loaders) already made the members' packs consecutive
+fastflow's layout blocks rows in 16s, so its forms always concatenate (codes and scale tables);
+torch's CPU packing blocks rows in 64s, so concatenating its packs is right only when every member
+but the last has a multiple of 64 rows (tests/patterns/test_int4_siblings.py). Where it is,
+`share_sibling_packs` (run by quantize() and the loaders) already made the members' forms consecutive
 slices of one tensor, and the fusion uses that tensor: no copy (SmolLM2: q/k/v 576+192+192 rows,
 gate/up 1536+1536, all shareable). Elsewhere the fused weight is packed afresh from the
 concatenated portable form (codes, scales, zeros), a compile-time constant made once per set of
@@ -56,20 +57,16 @@ def _key(kind: str, tensors: list) -> str:
     return kind + ":" + ",".join(f"{t.data_ptr()}/{t._version}" for t in tensors[1:])
 
 
-def _rows_dim(packs: list) -> int:
-    """The dim along which a CPU form's scale/zero table runs over rows: 0 in fastflow's layout
-    ((N/16, K/G, 2, 16)), 1 in torch's ((K/G, N, 2))."""
-    return 0 if packs[0].dim() == 3 else 1
-
-
 def _fused_pack(portables: list, packs: list, scale_zeros: list, group_size: int):
     """The CPU form (packed, scale_zeros) of the row-concatenated weights, or (None, None): the
     members' own packs when they already are consecutive slices of one tensor, else a new form."""
     base = shared_base(packs)
     if base is not None:
-        table = shared_base(scale_zeros) if packs[0].dim() == 3 else None
-        return base, table if table is not None else weight_cache.derived(
-            _key("int4_scale_zeros", scale_zeros), scale_zeros[0], lambda _: torch.cat(scale_zeros, dim=_rows_dim(packs)))
+        fastflow_layout = packs[0].dim() == 3  # its tables run over rows in dim 0, torch's in dim 1
+        if fastflow_layout and shared_base(scale_zeros) is not None:
+            return base, shared_base(scale_zeros)
+        return base, weight_cache.derived(_key("int4_scale_zeros", scale_zeros), scale_zeros[0],
+                                          lambda _: torch.cat(scale_zeros, dim=0 if fastflow_layout else 1))
 
     def make(_):
         codes = [_codes(p[0], pack) for p, pack in zip(portables, packs)]
