@@ -166,3 +166,14 @@ def test_rows_not_in_blocks_of_16_keep_the_reference(rows, kernel):
     expected = int4_linear_ref(x, m.portable_qweight(), m.scale, m.zero, 32, m.bias)
     # the kernels' scale/zero table is bf16 (torch's grid): a relative error of ~2^-9 per weight
     assert ((out - expected).norm() / expected.norm()).item() < (4e-3 if kernel else 1e-6)
+
+
+def test_float64_rows_go_through_fp32():
+    """The kernel reads fp32/bf16/fp16; float64 rows (a reference check, say) are read as fp32 and the
+    result comes back in float64."""
+    from ffl_backend.kernels.quant_linear import int4_cpu_linear
+
+    x, packed, sz, bias, g = _operands(32, 64, 32, (2,), torch.float32, True)
+    out = int4_cpu_linear(x.double(), packed, sz, g, bias)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, torch.ops.fastflow_cpu.int4_gemv(x, packed, sz, bias, g).double(), rtol=0, atol=0)
