@@ -14,6 +14,11 @@
 // sit in L3, 26 GB/s from DRAM. Nearly all of the gain is software prefetch (2 and 18 KB ahead): the
 // hardware prefetcher does not run far enough ahead of a 2-core VM's loads from the (large, shared)
 // L3 and DRAM. Four accumulators per row break the FMA latency chain (~15% more without prefetch).
+//
+// Each loop has three paths, chosen at compile time (-march=native, or FFL_CPU_MARCH): AVX-512 (with
+// VNNI for int4), AVX2 + FMA (AMD Zen 2/3 and older Intel: 8 lanes, int4 through vpmaddubsw), and
+// portable C++. All compute the same integer sums for int4; tests/kernels/test_cpu_isa_paths.py builds
+// and checks each path the test machine can run.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -31,6 +36,7 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -81,6 +87,42 @@ float row_dot(const float* x, const W* w, int64_t K) {
     a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, x + k), load16(w + k, m), a0);
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// The same loop at 8 lanes (AVX2 machines, AMD Zen 2/3 among them).
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline float sum8(__m256 v) {
+  const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  const __m128 pair = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  return _mm_cvtss_f32(_mm_add_ss(pair, _mm_movehdup_ps(pair)));
+}
+
+template <typename W>
+float row_dot(const float* x, const W* w, int64_t K) {
+  const char* near = reinterpret_cast<const char*>(w + kNearPrefetchElements);
+  const char* far = reinterpret_cast<const char*>(w + kFarPrefetchElements);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    for (int64_t b = 0; b < 32 * static_cast<int64_t>(sizeof(W)); b += 64) {
+      _mm_prefetch(near + k * sizeof(W) + b, _MM_HINT_T0);
+      _mm_prefetch(far + k * sizeof(W) + b, _MM_HINT_T1);
+    }
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k), load8(w + k), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 8), load8(w + k + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 16), load8(w + k + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x + k + 24), load8(w + k + 24), a3);
+  }
+  float tail = 0.f;
+  for (; k < K; ++k) tail += x[k] * static_cast<float>(w[k]);
+  return sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + tail;
 }
 #else
 inline float to_float(int8_t v) { return static_cast<float>(v); }
@@ -252,6 +294,38 @@ void quantize_group(const float* xg, int64_t G, int8_t* hi, int8_t* lo, float* s
   *step = top > 0.f ? top / kInt16Max : 0.f;
   *sum = static_cast<float>(_mm512_reduce_add_epi32(total)) * *step;
 }
+#elif defined(__AVX2__)
+// 8 lanes at a time (G is a multiple of 8); the same roundings as the other paths.
+void quantize_group(const float* xg, int64_t G, int8_t* hi, int8_t* lo, float* step, float* sum) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 largest = _mm256_setzero_ps();
+  for (int64_t k = 0; k < G; k += 8) {
+    largest = _mm256_max_ps(largest, _mm256_and_ps(_mm256_loadu_ps(xg + k), magnitude));
+  }
+  __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+  top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+  const float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+  const __m256 inv = _mm256_set1_ps(top > 0.f ? kInt16Max / top : 0.f);
+  const __m256i bound = _mm256_set1_epi32(32639), rounding = _mm256_set1_epi32(128);
+  __m256i total = _mm256_setzero_si256();
+  for (int64_t k = 0; k < G; k += 8) {
+    __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xg + k), inv));  // to nearest even
+    v = _mm256_max_epi32(_mm256_min_epi32(v, bound), _mm256_sub_epi32(_mm256_setzero_si256(), bound));
+    const __m256i high = _mm256_srai_epi32(_mm256_add_epi32(v, rounding), 8);
+    const __m256i low = _mm256_sub_epi32(v, _mm256_slli_epi32(high, 8));
+    for (const auto& [part, out] : {std::pair{high, hi + k}, std::pair{low, lo + k}}) {
+      // 8 int32 in [-128, 127] to 8 bytes: the saturating packs change no value
+      const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(part), _mm256_extracti128_si256(part, 1));
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm_packs_epi16(words, words));
+    }
+    total = _mm256_add_epi32(total, v);
+  }
+  __m128i total4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, 0x4E));
+  total4 = _mm_add_epi32(total4, _mm_shuffle_epi32(total4, 0xB1));
+  *step = top > 0.f ? top / kInt16Max : 0.f;
+  *sum = static_cast<float>(_mm_cvtsi128_si32(total4)) * *step;
+}
 #else
 void quantize_group(const float* xg, int64_t G, int8_t* hi, int8_t* lo, float* step, float* sum) {
   float largest = 0.f;
@@ -280,16 +354,17 @@ QuantizedRow quantize_row(const float* x, int64_t K, int64_t G) {
 
 inline float bf16_value(const c10::BFloat16* p, int64_t i) { return static_cast<float>(p[i]); }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-inline __m512 load16_bf16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
+// 4 bytes of x as one int32, to broadcast to every lane (the 4 products a lane sums)
 inline int32_t four_bytes(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+inline __m512 load16_bf16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
 }
 
 // 16 outputs of one row block.
@@ -319,6 +394,69 @@ void int4_block(const uint8_t* w, const c10::BFloat16* sz, const QuantizedRow& x
     acc = _mm512_fmadd_ps(offset, _mm512_set1_ps(x.sum[g]), acc);
   }
   _mm512_storeu_ps(y, acc);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+// AVX2 has no VNNI: `vpmaddubsw` (unsigned x signed bytes, adjacent pairs summed to int16) then
+// `vpmaddwd` by ones (pairs of int16 to int32) does what one `vpdpbusd` does. A 64-byte chunk is two
+// vectors: rows 0-7 and rows 8-15. One chunk adds at most 2 * 2 * 15 * 128 = 7680 to an int16 lane, so
+// four chunks sum in int16 before one widening (30720 < 32767): 12 of 16 `vpmaddwd` saved.
+constexpr int64_t kInt16Chunks = 4;
+
+inline __m256 load8_bf16(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// codes . x of one chunk for 8 rows, in int16 pairs: the first and second nibbles against their 4 bytes
+inline __m256i chunk_pairs(__m256i first, __m256i second, __m256i x_first, __m256i x_second) {
+  return _mm256_add_epi16(_mm256_maddubs_epi16(first, x_first), _mm256_maddubs_epi16(second, x_second));
+}
+
+inline __m256i widen_add(__m256i sum32, __m256i pairs16) {
+  return _mm256_add_epi32(sum32, _mm256_madd_epi16(pairs16, _mm256_set1_epi16(1)));
+}
+
+void int4_block(const uint8_t* w, const c10::BFloat16* sz, const QuantizedRow& x, int64_t K, int64_t G, float* y) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const int64_t chunks = G / kInt4ChunkK;
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m256i dot_hi[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, dot_lo[2] = {dot_hi[0], dot_hi[0]};
+    for (int64_t c0 = 0; c0 < chunks; c0 += kInt16Chunks) {
+      __m256i hi16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, lo16[2] = {hi16[0], hi16[0]};
+      for (int64_t c = c0; c < std::min(chunks, c0 + kInt16Chunks); ++c) {
+        const uint8_t* p = w + (g * chunks + c) * kInt4ChunkBytes;
+        _mm_prefetch(reinterpret_cast<const char*>(p + kNearPrefetchElements / 2), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + kFarPrefetchElements / 2), _MM_HINT_T1);
+        const int64_t k = g * G + c * kInt4ChunkK;
+        const __m256i hi_first = _mm256_set1_epi32(four_bytes(&x.hi[k]));
+        const __m256i hi_second = _mm256_set1_epi32(four_bytes(&x.hi[k + 4]));
+        const __m256i lo_first = _mm256_set1_epi32(four_bytes(&x.lo[k]));
+        const __m256i lo_second = _mm256_set1_epi32(four_bytes(&x.lo[k + 4]));
+        for (int h = 0; h < 2; ++h) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * h));
+          const __m256i first = _mm256_and_si256(raw, nibble);
+          const __m256i second = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+          hi16[h] = _mm256_add_epi16(hi16[h], chunk_pairs(first, second, hi_first, hi_second));
+          lo16[h] = _mm256_add_epi16(lo16[h], chunk_pairs(first, second, lo_first, lo_second));
+        }
+      }
+      for (int h = 0; h < 2; ++h) {
+        dot_hi[h] = widen_add(dot_hi[h], hi16[h]);
+        dot_lo[h] = widen_add(dot_lo[h], lo16[h]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dot_hi[h], 8), dot_lo[h]);  // sum(q * x16), exact
+      const c10::BFloat16* rows = sz + g * 2 * kInt4Rows + 8 * h;
+      const __m256 s = load8_bf16(rows), zp = load8_bf16(rows + kInt4Rows);
+      const __m256 offset = _mm256_fmadd_ps(s, _mm256_set1_ps(-8.f), zp);
+      acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(s, _mm256_set1_ps(x.step[g])), acc[h]);
+      acc[h] = _mm256_fmadd_ps(offset, _mm256_set1_ps(x.sum[g]), acc[h]);
+    }
+  }
+  _mm256_storeu_ps(y, acc[0]);
+  _mm256_storeu_ps(y + 8, acc[1]);
 }
 #else
 // Portable path: the same integer sums, one lane at a time.

@@ -4,7 +4,7 @@
     int4_gemv(x, packed, scale_zeros, bias or None, G) = x @ W.T + bias, W group-wise int4
 
 `int4_gemv` reads its own layout (`int4_layout`: 16 rows to a vector, torch's CPU int4 grid
-w = (q - 8) * s + z') with AVX512-VNNI, x read as int16 per group; cpu_gemv.cpp says why. Int4
+w = (q - 8) * s + z') with AVX512-VNNI (AVX2 machines: vpmaddubsw + vpmaddwd), x read as int16 per group; cpu_gemv.cpp says why. Int4
 modules hold their CPU weights in that layout and call it for every row count
 (kernels/quant_linear.py `int4_cpu_form`).
 
@@ -15,7 +15,8 @@ it is available (option `cpu_gemv`), instead of letting Inductor generate the lo
 weights it streams ~2x faster, because it prefetches ahead (cpu_gemv.cpp says why).
 
 The C++ source ships with the package and is compiled here, once per machine and source version,
-with the compiler and flags Inductor itself uses (g++ or $CXX, -O3 -march=native -fopenmp -std=c++20), into
+with the compiler and flags Inductor itself uses (g++ or $CXX, -O3 -march=native -fopenmp -std=c++20;
+FFL_CPU_MARCH replaces `native`), into
 FFL_CACHE_DIR (default ~/.cache/ffl_backend)/cpu_kernels/. That takes ~5-10 s the first time. Where
 it cannot be built (no compiler, no torch headers, not x86/Linux) `load()` returns False once with a
 logged warning and callers keep Inductor's loop, which is correct, only slower.
@@ -129,12 +130,18 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
+def target_arch() -> str:
+    """The -march the library is built for: this CPU unless FFL_CPU_MARCH names another (e.g.
+    x86-64-v3 for the AVX2 path on an AVX-512 machine, x86-64 for the portable one; tests use it)."""
+    return os.environ.get("FFL_CPU_MARCH", "native")
+
+
 def _compile_command(out: Path) -> list:
     # torch's own headers and libraries (what torch.utils.cpp_extension would find, without importing it)
     root = Path(torch.__file__).parent
     includes = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [_compiler(), "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
+    return [_compiler(), "-O3", f"-march={target_arch()}", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in includes], str(SOURCE), "-o", str(out),
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
 

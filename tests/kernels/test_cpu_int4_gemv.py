@@ -85,6 +85,20 @@ def test_a_zero_group_and_tiny_values():
     assert torch.equal(tiny, out * 2.0**-100)
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_largest_codes_and_x_do_not_overflow(sign):
+    """Every code 15 and every x at its group's largest magnitude: the kernel's narrow integer sums
+    (int16 pairs on AVX2, over up to four chunks) meet their largest values; a long group (256)
+    spans many such runs. The output must still match the reference."""
+    n, k, group_size = 32, 512, 256
+    codes = torch.full((n, k), 15, dtype=torch.uint8)
+    scale_zeros = int4_cpu_scale_zeros(torch.rand(n, k // group_size) + 0.5, torch.zeros(n, k // group_size))
+    packed, sz = cpu_gemv.int4_layout(codes, scale_zeros, group_size)
+    args = (torch.full((2, k), sign), packed, sz, None, group_size)
+    out = torch.ops.fastflow_cpu.int4_gemv(*args)
+    assert_matches_reference(out, cpu_gemv.int4_gemv_ref, args, atol=_x_rounding_bound(*args), interpreted=False)
+
+
 def test_threads_split_row_blocks():
     args = _operands(80, 64, 32, (1,), torch.float32, True)
     outs = []

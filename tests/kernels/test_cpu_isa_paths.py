@@ -1,0 +1,36 @@
+"""The CPU kernels' other instruction-set paths. cpu_gemv.cpp has an AVX-512 (VNNI) path, an AVX2 path
+and a portable one; a build for this machine (-march=native) runs only one of them, and one process
+can load only one `fastflow_cpu` library. So each other path this CPU can run is built (FFL_CPU_MARCH)
+and its reference-equality tests run in a process of their own."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ffl_backend.kernels import cpu_gemv
+
+pytestmark = pytest.mark.skipif(not cpu_gemv.load(), reason=f"CPU GEMV kernel not built: {cpu_gemv.load_error()}")
+
+ROOT = Path(__file__).resolve().parents[2]
+# -march level -> the CPU flags it needs (the ones the kernel's paths test for)
+LEVELS = {"x86-64": (), "x86-64-v3": ("avx2", "fma")}
+KERNEL_TESTS = [str(Path(__file__).with_name(name)) for name in ("test_cpu_gemv.py", "test_cpu_int4_gemv.py")]
+SELECTION = "matches_reference or overflow or zero_group or threads or rows_shape"
+
+
+def _cpu_has(flags) -> bool:
+    words = set(cpu_gemv._cpu_flags().split())
+    return all(f in words for f in flags)
+
+
+@pytest.mark.parametrize("march", sorted(LEVELS))
+def test_other_instruction_set_paths_match_the_reference(march):
+    if not _cpu_has(LEVELS[march]):
+        pytest.skip(f"this CPU cannot run -march={march}")
+    env = {**os.environ, "FFL_CPU_MARCH": march}
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TESTS,
+                             "-k", SELECTION], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
