@@ -34,3 +34,16 @@ def test_other_instruction_set_paths_match_the_reference(march):
                              "-k", SELECTION], cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1], result.stdout[-2000:]
+
+
+def test_layer_benchmark_times_every_kernel(monkeypatch):
+    """benchmarks/cpu_gemv_layers.py (the per-layer figures in the README) runs: one layer, all six kernels."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("cpu_gemv_layers", ROOT / "benchmarks" / "cpu_gemv_layers.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(module, "LAYERS", 1)
+    row = module.measure(group_size=64)
+    assert len(row["ms_per_pass"]) == 6 and row["march"] == cpu_gemv.target_arch()
+    assert all(t["min_ms"] > 0 for t in row["ms_per_pass"].values())
