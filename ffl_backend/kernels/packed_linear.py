@@ -15,18 +15,38 @@ On other devices, and for dtypes without a packed path, the op is plain `F.linea
 """
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from . import weight_cache
 
+logger = logging.getLogger(__name__)
+
 PACKED_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def can_pack(w: Tensor) -> bool:
     return (w.device.type == "cpu" and w.dtype in PACKED_DTYPES and w.dim() == 2
-            and torch.backends.mkldnn.is_available())
+            and torch.backends.mkldnn.is_available() and cpu_packs(w.dtype))
+
+
+@functools.cache
+def cpu_packs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs `dtype` weights on this CPU. Its bf16 path needs AVX-512 (BW/VL/DQ) or
+    AVX-NE-CONVERT, fp16 AVX512-FP16 or AVX-NE-CONVERT (torch 2.13); an AVX2-only CPU (AMD Zen 3) has
+    neither and `_reorder_linear_weight` raises. Asked once per dtype with a tiny weight, so the check
+    is oneDNN's own rather than a copy of its CPU rules."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+        return True
+    except RuntimeError as exc:
+        logger.info("fastflow: oneDNN cannot pack %s weights on this CPU (%s); packed_linear stays F.linear",
+                    dtype, exc)
+        return False
 
 
 @torch.no_grad()

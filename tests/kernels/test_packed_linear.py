@@ -15,11 +15,26 @@ def test_packed_linear_matches_reference(dtype, xshape, n, with_bias):
     x = torch.randn(xshape, dtype=dtype)
     w = torch.nn.Parameter(torch.randn(n, xshape[-1], dtype=dtype) / xshape[-1] ** 0.5)
     b = torch.randn(n, dtype=dtype) if with_bias else None
-    P.prepack(w, 1)
+    if P.can_pack(w):
+        P.prepack(w, 1)
     assert_matches_reference(torch.ops.fastflow.packed_linear(x, w, b), P.packed_linear_ref, (x, w, b),
                              interpreted=False)
 
 
+PACKS_BF16 = pytest.mark.skipif(not P.cpu_packs(torch.bfloat16),
+                                reason="oneDNN packs no bf16 weights on this CPU (needs AVX-512 or AVX-NE-CONVERT)")
+
+
+def test_cpu_without_a_packed_path_keeps_f_linear(monkeypatch):
+    """Where oneDNN cannot pack (AVX2-only CPUs), can_pack says no and the op is F.linear."""
+    w = torch.nn.Parameter(torch.randn(24, 40, dtype=torch.bfloat16))
+    x = torch.randn(3, 40, dtype=torch.bfloat16)
+    monkeypatch.setattr(P, "cpu_packs", lambda dtype: False)
+    assert not P.can_pack(w)
+    assert torch.equal(torch.ops.fastflow.packed_linear(x, w), torch.nn.functional.linear(x, w))
+
+
+@PACKS_BF16
 def test_in_place_weight_update_is_repacked_not_served_stale():
     w = torch.nn.Parameter(torch.randn(64, 32, dtype=torch.bfloat16))
     x = torch.randn(2, 32, dtype=torch.bfloat16)
@@ -31,6 +46,7 @@ def test_in_place_weight_update_is_repacked_not_served_stale():
     torch.testing.assert_close(after, torch.nn.functional.linear(x, w))
 
 
+@PACKS_BF16
 def test_freed_weight_leaves_no_entry_behind():
     w = torch.nn.Parameter(torch.randn(48, 32, dtype=torch.bfloat16))
     key = weight_cache._key("onednn", w)
