@@ -4,9 +4,9 @@
     int4_gemv(x, packed, scale_zeros, bias or None, G) = x @ W.T + bias, W group-wise int4
 
 `int4_gemv` reads its own layout (`int4_layout`: 16 rows to a vector, torch's CPU int4 grid
-w = (q - 8) * s + z') with AVX512-VNNI (AVX2 machines: vpmaddubsw + vpmaddwd), x read as int16 per group; cpu_gemv.cpp says why. Int4
-modules hold their CPU weights in that layout and call it for every row count
-(kernels/quant_linear.py `int4_cpu_form`).
+w = (q - 8) * s + z') with AVX512-VNNI (on AVX2-only CPUs: vpmaddubsw + vpmaddwd), x read as int16
+per group; cpu_gemv.cpp says why. Int4 modules hold their CPU weights in that layout and call it for
+every row count (kernels/quant_linear.py `int4_cpu_form`).
 
 `gemv` multiplies one row x. Its weights are int8 (weight-only quantized, `s_i` per output channel) or bf16, all
 of one dtype and width; products and sums in fp32, one rounding to x's dtype. Siblings that read the

@@ -15,10 +15,10 @@ CPU paths, measured at batch 1 on SmolLM2's shapes (1536x576 and 576x1536, 1 thr
   (kernels/cpu_gemv.py; fp32 math, no bf16 rounding of x; SmolLM2 int8 eager decode 33.8 -> 42.3
   tok/s, same greedy tokens).
 - int4: fastflow's `int4_gemv` (kernels/cpu_gemv.cpp) wherever it is built (x86-64 Linux with a
-  compiler) and N is a multiple of 16: AVX512-VNNI multiplies the codes as they load, x read as int16
-  per group (error <= 2^-16 of the group's largest |x|, finer than a bf16 rounding), fp32/bf16/fp16 x
-  as it comes. 30 SmolLM2 layers streamed at batch 1 (2 threads): 2.1 ms against 3.8 for torch's
-  kernel; several rows (prefill) cost one pass over the codes. The layout (16 rows to a vector) is made
+  compiler) and N is a multiple of 16: AVX512-VNNI (AVX2: vpmaddubsw) multiplies the codes as they
+  load, x read as int16 per group (error <= 2^-16 of the group's largest |x|, finer than a bf16
+  rounding), fp32/bf16/fp16 x as it comes. 30 SmolLM2 layers streamed at batch 1 (2 threads): 2.1 ms
+  against 3.8 for torch's kernel (Xeon, AVX-512); 6.6 against 10.0 (AMD EPYC, AVX2); several rows (prefill) cost one pass over the codes. The layout (16 rows to a vector) is made
   once by `int4_cpu_form`. Elsewhere `torch._weight_int4pack_mm_for_cpu` (bf16) 71/48 at g32, 45/46
   at g64; fp32 activations 1448/1516, so the same bf16 cast. It needs torch's own packed weight and a
   (K/G, N, 2) scale/zero tensor (w = (q - 8) * s + z', the grid both kernels use); N must be a
@@ -28,6 +28,7 @@ CPU paths, measured at batch 1 on SmolLM2's shapes (1536x576 and 576x1536, 1 thr
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -130,9 +131,26 @@ def int4_cpu_scale_zeros(scale: Tensor, zero: Tensor) -> Tensor:
 
 
 # torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`, torch 2.13) of N rows a multiple of
-# 64: per block of 64 rows, K x 32 bytes whose low nibble is row j and high nibble row 32 + j of the
-# block. Other N are laid out otherwise; they keep their portable codes (see Int4Linear).
+# 64: per block of B rows, K x B/2 bytes whose low nibble is row j and high nibble row B/2 + j of the
+# block. B depends on the CPU torch runs on (64 with AVX-512, 32 with AVX2 only), so it is found once
+# by packing a probe. Other N are laid out otherwise; they keep their portable codes (see Int4Linear).
 INT4_CPU_UNPACK_ROWS = 64
+
+
+def _unpack_blocks(packed: Tensor, n: int, k: int, block: int) -> Tensor:
+    blocks = packed.reshape(n // block, k, block // 2)
+    return torch.cat([blocks & 0xF, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)
+
+
+@functools.cache
+def torch_pack_block_rows() -> Optional[int]:
+    """The row block B of torch's CPU int4 pack on this CPU (None: a layout not known here)."""
+    codes = torch.randint(0, 16, (INT4_CPU_UNPACK_ROWS, 16), generator=torch.Generator().manual_seed(0))
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    for block in (64, 32, 16):
+        if torch.equal(_unpack_blocks(packed, *codes.shape, block), codes.to(packed.dtype)):
+            return block
+    return None
 
 
 def int4_cpu_unpack(packed: Tensor, n: int, k: int) -> Optional[Tensor]:
@@ -140,9 +158,8 @@ def int4_cpu_unpack(packed: Tensor, n: int, k: int) -> Optional[Tensor]:
     known here (n not a multiple of 64). Callers compare the round trip before relying on it."""
     if n % INT4_CPU_UNPACK_ROWS or tuple(packed.shape) != (n, k // 2) or packed.dtype != torch.uint8:
         return None
-    blocks = packed.reshape(n // INT4_CPU_UNPACK_ROWS, k, INT4_CPU_UNPACK_ROWS // 2)
-    codes = torch.cat([blocks & 0xF, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)
-    return P.pack_int4(codes)
+    block = torch_pack_block_rows()
+    return None if block is None else P.pack_int4(_unpack_blocks(packed, n, k, block))
 
 
 def _single_row_kernel_applies(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor]) -> bool:

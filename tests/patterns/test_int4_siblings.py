@@ -5,7 +5,7 @@ import torch
 
 import ffl_backend
 from ffl_backend.config import PATTERN_FAMILIES
-from ffl_backend.kernels.quant_linear import int4_cpu_form, int4_cpu_linear, int4_cpu_pack
+from ffl_backend.kernels.quant_linear import int4_cpu_form, int4_cpu_linear, int4_cpu_pack, torch_pack_block_rows
 from ffl_backend.patterns import int4_siblings
 from ffl_backend.patterns.siblings import shared_base
 from ffl_backend.quant import primitives as P
@@ -112,12 +112,15 @@ def test_quantize_shares_sibling_packs_and_fusion_copies_nothing(monkeypatch, in
 
 def test_siblings_share_a_form_only_where_it_concatenates(int4_form):
     """The tiny Llama's siblings (q 64 rows, k/v 32, gate/up 96): fastflow's layout (blocks of 16
-    rows) concatenates; torch's pack of 32 or 96 rows does not."""
+    rows) concatenates; torch's pack does where its row block (64 with AVX-512, 32 with AVX2 only)
+    divides every sibling's rows."""
     model = tiny_model("llama", dtype=torch.bfloat16)
     quantize(model, {"scheme": "int4", "group_size": 32})
     attn = model.model.layers[0].self_attn
     shared = shared_base([attn.q_proj.cpu_packed, attn.k_proj.cpu_packed, attn.v_proj.cpu_packed])
-    if int4_form == "fastflow":
+    block = torch_pack_block_rows()
+    torch_concatenates = block is not None and all(rows % block == 0 for rows in (64, 32, 96))
+    if int4_form == "fastflow" or torch_concatenates:
         assert shared is not None and int4_siblings.share_sibling_packs(model) == 2 * LAYERS
     else:
         assert shared is None and int4_siblings.share_sibling_packs(model) == 0
