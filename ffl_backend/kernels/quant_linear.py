@@ -18,8 +18,9 @@ CPU paths, measured at batch 1 on SmolLM2's shapes (1536x576 and 576x1536, 1 thr
   compiler) and N is a multiple of 16: AVX512-VNNI (AVX2: vpmaddubsw) multiplies the codes as they
   load, x read as int16 per group (error <= 2^-16 of the group's largest |x|, finer than a bf16
   rounding), fp32/bf16/fp16 x as it comes. 30 SmolLM2 layers streamed at batch 1 (2 threads): 2.1 ms
-  against 3.8 for torch's kernel (Xeon, AVX-512); 6.6 against 10.0 (AMD EPYC, AVX2); several rows (prefill) cost one pass over the codes. The layout (16 rows to a vector) is made
-  once by `int4_cpu_form`. Elsewhere `torch._weight_int4pack_mm_for_cpu` (bf16) 71/48 at g32, 45/46
+  against 3.8 for torch's kernel (Xeon, AVX-512); 6.6 against 10.0 (AMD EPYC, AVX2); several rows
+  (prefill) cost one pass over the codes. The layout (16 rows to a vector) is made once by
+  `int4_cpu_form`. Elsewhere `torch._weight_int4pack_mm_for_cpu` (bf16) 71/48 at g32, 45/46
   at g64; fp32 activations 1448/1516, so the same bf16 cast. It needs torch's own packed weight and a
   (K/G, N, 2) scale/zero tensor (w = (q - 8) * s + z', the grid both kernels use); N must be a
   multiple of 16 and G in {32, 64, 128, 256}, else the reference path runs.
