@@ -52,6 +52,14 @@ constexpr int64_t kFarPrefetchElements = 32 * 576;
 // Below this many weight elements one thread does the whole GEMV: waking the others costs more.
 constexpr int64_t kMinParallelElements = 1 << 15;
 
+#if defined(__AVX2__)
+// 8 bf16 as fp32 (bf16 is the high half of an fp32): the AVX2 gemv and int4 paths both read them
+inline __m256 load8_bf16(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 // 16 weights from p (the first `m` lanes of mask) as fp32.
 inline __m512 load16(const int8_t* p, __mmask16 m) {
@@ -93,10 +101,7 @@ float row_dot(const float* x, const W* w, int64_t K) {
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
-inline __m256 load8(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
+inline __m256 load8(const c10::BFloat16* p) { return load8_bf16(p); }
 
 inline float sum8(__m256 v) {
   const __m128 half = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -401,11 +406,6 @@ void int4_block(const uint8_t* w, const c10::BFloat16* sz, const QuantizedRow& x
 // vectors: rows 0-7 and rows 8-15. One chunk adds at most 2 * 2 * 15 * 128 = 7680 to an int16 lane, so
 // four chunks sum in int16 before one widening (30720 < 32767): 12 of 16 `vpmaddwd` saved.
 constexpr int64_t kInt16Chunks = 4;
-
-inline __m256 load8_bf16(const c10::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
 
 // codes . x of one chunk for 8 rows, in int16 pairs: the first and second nibbles against their 4 bytes
 inline __m256i chunk_pairs(__m256i first, __m256i second, __m256i x_first, __m256i x_second) {
