@@ -179,3 +179,23 @@ def test_report_row_stamps_prints_and_appends(tmp_path, monkeypatch, capsys):
     assert rows[0]["command"] == "python benchmarks/x.py --opt '{\"a\": 1}'"
     assert rows[0]["environment"]["torch"]
     assert '"tok_s": 2.0' in capsys.readouterr().out
+
+
+def test_time_generate_makes_exactly_the_tokens_asked_even_past_eos():
+    """The timed generate() must not stop at the end-of-sequence token (rates would count fewer steps
+    than asked), and must get there without min_new_tokens' per-step logits processors."""
+    import torch
+
+    from ffl_backend.bench.worker import time_generate
+
+    model = tiny_model("llama")
+    ids = torch.tensor([[1, 2, 3, 4]])
+    first = time_generate(model, ids, 6)["tokens"]
+    model.generation_config.eos_token_id = first[0]  # greedy decoding now emits EOS at once
+    assert model.generate(ids, max_new_tokens=6, do_sample=False).shape[1] == ids.shape[1] + 1
+    processors = []
+    build = model._get_logits_processor
+    model._get_logits_processor = lambda *a, **k: processors.append(build(*a, **k)) or processors[-1]
+    run = time_generate(model, ids, 6)
+    assert run["tokens"] == first and run["decode_tok_s"] > 0
+    assert len(processors) == 1 and len(processors[0]) == 0
