@@ -1,7 +1,9 @@
 """`ffl-bench`: one-line errors for bad requests, a tiny model end to end, and the output files' schema."""
 import csv
 import json
+import io
 import os
+import statistics
 import subprocess
 import sys
 
@@ -106,6 +108,12 @@ def test_tiny_model_end_to_end(tiny_folder, tmp_path):
     assert inductor["runtime_rss_mb"] > eager["runtime_rss_mb"]  # Inductor's own import
     assert inductor["recompiles"] == 0 and inductor["graphs_compiled_while_timed"] == 0
     assert inductor["speedup_vs_inductor"] == pytest.approx(1.0)
+    # interleaved by default: the speedup shown is the median of per-round ratios
+    assert grid["settings"]["schedule"] == "interleaved"
+    assert inductor["speedup_vs_inductor_paired"] == pytest.approx(1.0)
+    assert eager["speedup_vs_inductor_paired"] == pytest.approx(statistics.median(
+        e / i for e, i in zip(eager["decode_tok_s_all"], inductor["decode_tok_s_all"])))
+    assert f"| {eager['speedup_vs_inductor_paired']:.2f}x |" in proc.stdout
 
     with open(out.with_suffix(".csv"), newline="") as fh:
         rows = list(csv.DictReader(fh))
@@ -199,3 +207,84 @@ def test_time_generate_makes_exactly_the_tokens_asked_even_past_eos():
     run = time_generate(model, ids, 6)
     assert run["tokens"] == first and run["decode_tok_s"] > 0
     assert len(processors) == 1 and len(processors[0]) == 0
+
+
+def test_sequential_schedule_runs_one_process_at_a_time(tiny_folder, tmp_path):
+    out = tmp_path / "seq"
+    proc = _bench("--model", str(tiny_folder), "--backends", "eager", "--dtypes", "float32", "--prompt-lens", "4",
+                  "--new-tokens", "3", "--repeats", "2", "--threads", "1", "--schedule", "sequential",
+                  "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grid = json.loads(out.with_suffix(".json").read_text())
+    (row,) = grid["results"]
+    assert grid["settings"]["schedule"] == "sequential" and "schedule" not in row
+    assert len(row["decode_tok_s_all"]) == 2 and "speedup_vs_inductor_paired" not in row
+    assert "one process after another" in out.with_suffix(".md").read_text()
+
+
+class _FakeWorker:
+    """Stands in for interleave.WorkerProcess: records every set-up and request in `events`."""
+    events: list = []
+
+    def __init__(self, cfg, cache_dir):
+        self.name, self.error, self.rates = cfg["name"], None, []
+        self.events.append(("setup", self.name))
+        if cfg.get("fails"):
+            self.error = "RuntimeError: cannot load"
+
+    def request(self, what):
+        if self.error is not None:
+            return {}
+        self.events.append((what, self.name))
+        if what == "time":
+            self.rates.append(len(self.events))
+            return {"decode_tok_s": float(len(self.events))}
+        return {"decode_tok_s_all": self.rates}
+
+    def close(self):
+        self.events.append(("close", self.name))
+
+
+def test_interleaved_timing_sets_all_up_first_then_alternates_rounds(monkeypatch):
+    from ffl_backend.bench import interleave
+
+    _FakeWorker.events = events = []
+    monkeypatch.setattr(interleave, "WorkerProcess", _FakeWorker)
+    cfgs = [{"name": "a"}, {"name": "broken", "fails": True}, {"name": "b"}, {"name": "c"}]
+    ready = []
+    out = interleave.time_interleaved(cfgs, ["/tmp"] * 4, repeats=3, on_ready=ready.append)
+    assert ready == [0, 1, 2, 3]
+    assert events[:4] == [("setup", n) for n in ("a", "broken", "b", "c")]
+    timed = [n for what, n in events if what == "time"]
+    assert timed == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert out[1] == {"error": "RuntimeError: cannot load"}
+    assert [len(r["decode_tok_s_all"]) for r in (out[0], out[2], out[3])] == [3, 3, 3]
+    assert sorted(n for what, n in events if what == "close") == ["a", "b", "broken", "c"]
+
+
+def test_worker_serves_timed_generates_on_request(tiny_folder):
+    from ffl_backend.bench.worker import serve
+
+    cfg = {"model": str(tiny_folder), "backend": "eager", "dtype": "float32", "quant": "none", "batch": 1,
+           "prompt_len": 4, "new_tokens": 3, "threads": 1}
+    replies = io.StringIO()
+    serve(cfg, io.StringIO("time\nwhat\ntime\nfinish\ntime\n"), replies)
+    lines = [json.loads(line) for line in replies.getvalue().splitlines()]
+    assert lines[0] == {"ready": True}
+    assert lines[1]["decode_tok_s"] > 0 and "unknown request 'what'" in lines[2]["error"]
+    summary = lines[4]
+    assert summary["decode_tok_s_all"] == [lines[1]["decode_tok_s"], lines[3]["decode_tok_s"]]
+    assert len(lines) == 5  # nothing is answered after finish
+    assert summary["load_s"] > 0 and summary["peak_rss_mb"] > 0 and len(summary["tokens"]) == 3
+
+
+def test_a_worker_that_dies_while_setting_up_reports_why(tmp_path):
+    from ffl_backend.bench.interleave import WorkerProcess
+
+    cfg = {"model": str(tmp_path / "missing"), "backend": "eager", "dtype": "float32", "quant": "none",
+           "batch": 1, "prompt_len": 4, "new_tokens": 3}
+    worker = WorkerProcess(cfg, str(tmp_path))
+    try:
+        assert worker.error and "missing" in worker.error and worker.request("time") == {}
+    finally:
+        worker.close()

@@ -2,7 +2,7 @@
 
     ffl-bench [--model DIR] [--backends eager inductor fastflow] [--dtypes float32 bfloat16]
               [--quant none int8 ...] [--batch-sizes 1 ...] [--prompt-lens 16 ...] [--new-tokens 64]
-              [--warmup 1] [--repeats 3] [--out PREFIX]
+              [--warmup 1] [--repeats 3] [--schedule interleaved|sequential] [--out PREFIX]
 
 Writes PREFIX.json, .csv, .png and .md and prints the table. Every request is checked before any
 model is loaded; a bad one ends with a single `ffl-bench: error: ...` line and exit status 2.
@@ -15,7 +15,7 @@ import os
 import shlex
 import sys
 
-from .grid import BACKENDS, DTYPES, QUANTS
+from .grid import BACKENDS, DTYPES, QUANTS, SCHEDULES
 
 PROG = "ffl-bench"
 
@@ -59,6 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto = cuda if available")
     p.add_argument("--text", help="text file the prompt is cut from (default: a fixed sentence, repeated)")
     p.add_argument("--out", default="ffl-bench-results/bench", help="output prefix for .json .csv .png .md")
+    p.add_argument("--schedule", default="interleaved", choices=SCHEDULES,
+                   help="interleaved: every configuration's process stays alive and timed generates go round "
+                        "robin, so a drift of the machine's speed hits all alike (holds every model in memory "
+                        "at once); sequential: one process at a time")
     p.add_argument("--no-warm-compile", action="store_true",
                    help="skip the second process that times compilation with warm on-disk caches")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -139,7 +143,7 @@ def _run(args, model: str, device: str, command: str) -> int:
     grid = run_grid(model, args.backends, args.dtypes, args.prompt_lens, args.new_tokens, args.repeats,
                     text=args.text, log=log, quants=args.quant, batches=args.batch_sizes, warmup=args.warmup,
                     warm_compile=not args.no_warm_compile, device=device, threads=args.threads,
-                    progress=not args.no_progress)
+                    progress=not args.no_progress, schedule=args.schedule)
     grid["command"] = command
     paths = write_all(grid, args.out)
     print(header(grid) + "\n\n" + table(grid))

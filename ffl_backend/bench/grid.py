@@ -17,6 +17,7 @@ import platform
 import re
 import shlex
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from ..quant.config import PRESETS, SCHEMES
 BACKENDS = ("eager", "inductor", "fastflow")
 DTYPES = ("float32", "bfloat16")
 QUANTS = ("none", *SCHEMES, *PRESETS)  # "none": the model as loaded
+SCHEDULES = ("interleaved", "sequential")
 
 
 def skip_reason(cfg: dict) -> str | None:
@@ -61,20 +63,24 @@ def label(cfg: dict) -> str:
     return f"{cfg['dtype']}{quant} {cfg['backend']} b{cfg['batch']} p{cfg['prompt_len']}"
 
 
+def worker_env(cache_dir: str) -> dict:
+    """A worker's environment: its own Inductor and Triton cache folder."""
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+            "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
+            # On by default in this torch; set so the warm run measures the caches, not a default.
+            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+
+
 def _worker(cfg: dict, cache_dir: str) -> dict:
-    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
-           "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
-           # On by default in this torch; set so the warm run measures the caches, not a default.
-           "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
     proc = subprocess.run([sys.executable, "-m", "ffl_backend.bench.worker", json.dumps(cfg)],
-                          capture_output=True, text=True, env=env)
+                          capture_output=True, text=True, env=worker_env(cache_dir))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        return {"error": _error_line(proc.stderr or proc.stdout) or f"worker exited with {proc.returncode}"}
+        return {"error": error_line(proc.stderr or proc.stdout) or f"worker exited with {proc.returncode}"}
     return json.loads(lines[-1])
 
 
-def _error_line(text: str) -> str | None:
+def error_line(text: str) -> str | None:
     """The innermost exception of a worker's traceback. Dynamo appends advice lines after it and
     wraps backend failures ("BackendCompilerFailed ... raised:" then the cause), so the last line
     naming an exception type is the informative one."""
@@ -87,17 +93,56 @@ def run_isolated(cfg: dict, warm_compile: bool = True) -> dict:
     """One configuration: a cold process, then (compiled backends) a warm one on the same caches."""
     cache_dir = tempfile.mkdtemp(prefix="ffl-bench-")
     try:
-        res = {**cfg, **_worker(cfg, cache_dir)}
-        res["compile_warm_s"] = None
-        if warm_compile and cfg["backend"] != "eager" and "error" not in res:
-            warm = _worker({**cfg, "mode": "warm"}, cache_dir)
-            if "error" in warm:
-                res["error"] = "warm run: " + warm["error"]
-            else:
-                res["compile_warm_s"] = max(0.0, warm["first_generate_s"] - res["generate_s"])
-        return res
+        return _with_warm_compile(cfg, _worker(cfg, cache_dir), cache_dir, warm_compile)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
+
+
+def _with_warm_compile(cfg: dict, measured: dict, cache_dir: str, warm_compile: bool) -> dict:
+    """The result row of a measured configuration, with compile_warm_s from a second process on its
+    (now warm) cache folder."""
+    res = {**cfg, **measured, "compile_warm_s": None}
+    if warm_compile and cfg["backend"] != "eager" and "error" not in res:
+        warm = _worker({**cfg, "mode": "warm"}, cache_dir)
+        if "error" in warm:
+            res["error"] = "warm run: " + warm["error"]
+        else:
+            res["compile_warm_s"] = max(0.0, warm["first_generate_s"] - res["generate_s"])
+    return res
+
+
+def run_sequential(todo: list[dict], warm_compile: bool = True, bar=None) -> list[dict]:
+    """Every configuration in its own process, one after another."""
+    results = []
+    for cfg in todo:
+        if bar:
+            bar.show(f"running {label(cfg)}")
+        results.append(run_isolated(cfg, warm_compile))
+        if bar:
+            bar.show(f"finished {label(cfg)}", finished=True)
+    return results
+
+
+def run_interleaved(todo: list[dict], repeats: int, warm_compile: bool = True, bar=None) -> list[dict]:
+    """Every configuration in its own process, all alive at once, timed round robin (interleave.py)."""
+    from .interleave import time_interleaved
+
+    cache_dirs = [tempfile.mkdtemp(prefix="ffl-bench-") for _ in todo]
+    try:
+        def ready(i):
+            if bar:
+                bar.show(f"set up {label(todo[i])} ({i + 1}/{len(todo)}); timing starts once all are")
+
+        summaries = time_interleaved(todo, cache_dirs, repeats, on_ready=ready)
+        results = []
+        for cfg, cache_dir, summary in zip(todo, cache_dirs, summaries):
+            results.append(_with_warm_compile(cfg, summary, cache_dir, warm_compile))
+            if bar:
+                bar.show(f"finished {label(cfg)}", finished=True)
+        return results
+    finally:
+        for cache_dir in cache_dirs:
+            shutil.rmtree(cache_dir, ignore_errors=True)
 
 
 def _group(r: dict) -> tuple:
@@ -117,13 +162,20 @@ def agreement(results: list[dict]) -> None:
         r["matching_prefix"], r["tokens_equal_eager"] = n, r["tokens"] == ref
 
 
-def speedups(results: list[dict]) -> None:
-    """decode tok/s relative to HF static cache + Inductor (unquantized) of the same group."""
-    base = {_group(r): r.get("decode_tok_s") for r in results
-            if r["backend"] == "inductor" and r.get("quant", "none") == "none"}
+def speedups(results: list[dict], paired: bool = False) -> None:
+    """decode tok/s relative to HF static cache + Inductor (unquantized) of the same group: the ratio
+    of medians, and with `paired` (interleaved rounds: `decode_tok_s_all[i]` all come from round i)
+    also the median of the per-round ratios, which a drift of the machine's speed cancels out of."""
+    base = {_group(r): r for r in results if r["backend"] == "inductor" and r.get("quant", "none") == "none"
+            and "decode_tok_s" in r}
     for r in results:
-        if base.get(_group(r)) and "decode_tok_s" in r:
-            r["speedup_vs_inductor"] = r["decode_tok_s"] / base[_group(r)]
+        b = base.get(_group(r))
+        if b is None or "decode_tok_s" not in r:
+            continue
+        r["speedup_vs_inductor"] = r["decode_tok_s"] / b["decode_tok_s"]
+        if paired:
+            r["speedup_vs_inductor_paired"] = statistics.median(
+                x / y for x, y in zip(r["decode_tok_s_all"], b["decode_tok_s_all"], strict=True))
 
 
 def environment() -> dict:
@@ -175,9 +227,12 @@ class Progress:
 
 def run_grid(model, backends=BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=128, repeats=3, text=None,
              options=None, log=print, *, quants=("none",), batches=(1,), warmup=1, warm_compile=True,
-             device="cpu", threads=None, progress=True) -> dict:
-    """Run every configuration of the grid, isolated; `prompt_len` is one length or several.
-    Returns {"environment", "bandwidth", "settings", "results", "skipped"}."""
+             device="cpu", threads=None, progress=True, schedule="interleaved") -> dict:
+    """Run every configuration of the grid, each in its own process; `prompt_len` is one length or
+    several. `schedule`: "interleaved" (all processes alive, timed round robin) or "sequential" (one
+    process at a time). Returns {"environment", "bandwidth", "settings", "results", "skipped"}."""
+    if schedule not in SCHEDULES:
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     from .bandwidth import machine_bandwidth
 
     prompt_lens = [prompt_len] if isinstance(prompt_len, int) else list(prompt_len)
@@ -185,20 +240,16 @@ def run_grid(model, backends=BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=
                 "threads": threads}
     todo, skipped = configurations(model, backends, dtypes, quants, batches, prompt_lens, options=options,
                                    **settings)
+    settings["schedule"] = schedule
     for cfg in skipped:
         log(f"  skipped {label(cfg)}: {cfg['reason']}")
     bar = Progress(len(todo)) if progress else None
-    results = []
-    for cfg in todo:
-        if bar:
-            bar.show(f"running {label(cfg)}")
-        res = run_isolated(cfg, warm_compile)
-        results.append(res)
-        if bar:
-            bar.show(f"finished {label(cfg)}", finished=True)
-        log(f"  {label(cfg):32s} " + (f"{res['decode_tok_s']:.1f} tok/s" if "error" not in res
+    results = (run_interleaved(todo, repeats, warm_compile, bar) if schedule == "interleaved"
+               else run_sequential(todo, warm_compile, bar))
+    for res in results:
+        log(f"  {label(res):32s} " + (f"{res['decode_tok_s']:.1f} tok/s" if "error" not in res
                                       else f"ERROR {res['error']}"))
     agreement(results)
-    speedups(results)
+    speedups(results, paired=schedule == "interleaved")
     return {"environment": environment(), "bandwidth": machine_bandwidth(device),
             "settings": {**settings, "model": str(model)}, "results": results, "skipped": skipped}

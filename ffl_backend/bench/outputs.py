@@ -14,7 +14,8 @@ CSV_COLUMNS = (
     "backend", "dtype", "quant", "batch", "prompt_len", "new_tokens", "repeats",
     "load_s", "quantize_s", "compile_cold_s", "compile_warm_s",
     "ttft_s", "prefill_tok_s", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "decode_spread_pct",
-    "speedup_vs_inductor", "peak_rss_mb", "runtime_rss_mb", "model_peak_rss_mb", "cuda_peak_mb",
+    "speedup_vs_inductor", "speedup_vs_inductor_paired",
+    "peak_rss_mb", "runtime_rss_mb", "model_peak_rss_mb", "cuda_peak_mb",
     "weight_bytes", "effective_gbs", "ceiling_gbs", "pct_of_ceiling",
     "recompiles", "graphs_compiled_while_timed", "matching_prefix", "tokens_equal_eager", "rows_equal", "error",
 )
@@ -33,6 +34,12 @@ def _agreement_cell(r: dict) -> str:
     return f"{r['matching_prefix']}/{len(r['tokens'])}" + ("" if r.get("rows_equal", True) else " (rows differ)")
 
 
+def speedup(r: dict) -> float | None:
+    """The speedup a row is shown with: paired (median of per-round ratios) where the rounds were
+    interleaved, else the ratio of medians."""
+    return r.get("speedup_vs_inductor_paired", r.get("speedup_vs_inductor"))
+
+
 def table(grid: dict) -> str:
     """A markdown table (also what the terminal shows)."""
     rows = ["| configuration | decode tok/s median (min-max) | vs inductor | TTFT ms | prefill tok/s | "
@@ -47,7 +54,7 @@ def table(grid: dict) -> str:
         spread = (f" ({r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f})"
                   if "decode_tok_s_min" in r else "")
         rows.append(
-            f"| {name} | {r['decode_tok_s']:.1f}{spread} | {_fmt(r.get('speedup_vs_inductor'), '.2f')}x | "
+            f"| {name} | {r['decode_tok_s']:.1f}{spread} | {_fmt(speedup(r), '.2f')}x | "
             f"{1000 * r['ttft_s']:.0f} | {_fmt(r.get('prefill_tok_s'), '.0f')} | "
             f"{_fmt(r.get('compile_cold_s', r.get('first_generate_s')), '.1f')} / "
             f"{_fmt(r.get('compile_warm_s'), '.1f')} | {_fmt(r.get('load_s'), '.1f')} | "
@@ -60,12 +67,16 @@ def table(grid: dict) -> str:
 def header(grid: dict) -> str:
     """Where and how the figures were measured, in markdown."""
     env, bw, st = grid["environment"], grid.get("bandwidth", {}), grid.get("settings", {})
+    interleaved = st.get("schedule") == "interleaved"
     lines = [f"`{grid['command']}`" if grid.get("command") else "",
              f"{env['machine']}; torch {env['torch']}, transformers {env['transformers']}, "
              f"{env['torch_threads']} threads; {env['date']}.",
              f"{st.get('new_tokens')} new tokens, greedy; median of {st.get('repeats')} timed generates after "
              f"{st.get('warmup')} warm-up (the first compiles). Each configuration in its own process with its "
-             f"own Inductor cache; *warm* compile = a second process reusing that on-disk cache. Peak RSS in "
+             + ("own Inductor cache, all processes alive and timed round robin (one generate each per round), "
+                "so *vs inductor* is the median of the per-round ratios; " if interleaved else
+                "own Inductor cache, one process after another; ")
+             + f"*warm* compile = a second process reusing that on-disk cache. Peak RSS in "
              f"brackets: above the runtime's own RSS (torch, transformers, the modeling code and, when compiling, "
              f"Inductor, imported before the model loads). Read ceiling "
              f"of this machine: {_fmt(bw.get('dram_read_gbs'), '.1f')} GB/s from DRAM (1 GiB), "
@@ -121,7 +132,7 @@ def write_png(grid: dict, path: str) -> None:
                [max(0.0, r.get("decode_tok_s_max", m) - m) for m, r in zip(med, rs)]]
         bars = top.bar(xs, med, width, yerr=err, capsize=3, label=backend, color=BACKEND_COLORS.get(backend))
         top.bar_label(bars, fmt="%.1f", fontsize=8, padding=2)
-        speed = [r.get("speedup_vs_inductor", float("nan")) for r in rs]
+        speed = [float("nan") if speedup(r) is None else speedup(r) for r in rs]
         sbars = bottom.bar(xs, speed, width, color=BACKEND_COLORS.get(backend), label=backend)
         bottom.bar_label(sbars, labels=[_fmt(s, ".2f", "") + ("x" if not math.isnan(s) else "") for s in speed],
                          fontsize=8, padding=2)

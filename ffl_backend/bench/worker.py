@@ -1,6 +1,7 @@
 """One benchmark configuration, measured in the process that runs this module.
 
     python -m ffl_backend.bench.worker '<configuration JSON>'     (prints one JSON line)
+    python -m ffl_backend.bench.worker --serve '<configuration JSON>'   (times on request: serve())
 
 The grid (grid.py) starts a fresh interpreter per configuration, so compiled code, allocator state,
 Dynamo counters and the peak-RSS high-water mark all belong to this configuration alone. Times come
@@ -152,38 +153,84 @@ def load_model(cfg: dict):
     return model, tok, load_s, quantize_s
 
 
+class Session:
+    """One configuration, loaded, compiled and warmed up in this process, ready for timed generates."""
+
+    def __init__(self, cfg: dict):
+        """Load (and quantize), configure, compile on the first generate, warm up."""
+        import torch
+
+        from ..generation import configure_generate
+
+        if cfg.get("threads"):
+            torch.set_num_threads(cfg["threads"])
+        self.cfg = cfg
+        self.runtime_rss_mb = import_runtime(cfg)
+        self.model, tok, load_s, quantize_s = load_model(cfg)
+        ids = prompt_ids(tok, cfg["prompt_len"], cfg.get("text")).repeat(cfg.get("batch", 1), 1)
+        self.ids = ids.to(cfg.get("device", "cpu"))
+        backend = None if cfg["backend"] == "eager" else cfg["backend"]
+        # Cache exactly as long as the request: its shape is part of the compiled decode graph.
+        configure_generate(self.model, backend=backend, options=cfg.get("options"),
+                           max_cache_len=cfg["prompt_len"] + cfg["new_tokens"])
+        self.first = self.generate()
+        self.setup = {"load_s": load_s, "quantize_s": quantize_s, "first_generate_s": self.first["generate_s"]}
+        if cfg.get("mode") != "warm":
+            for _ in range(cfg.get("warmup", 1) - 1):  # the first generate above is warm-up number one
+                self.generate()
+        self.graphs_before, self.runs = _graphs(), []
+
+    def generate(self) -> dict:
+        return time_generate(self.model, self.ids, self.cfg["new_tokens"])
+
+    def timed(self) -> dict:
+        """One timed generate, kept for the summary."""
+        run = self.generate()
+        self.runs.append(run)
+        return run
+
+    def summary(self) -> dict:
+        out = {**self.setup, **_summarize(self.model, self.cfg, self.first, self.runs, self.graphs_before)}
+        out["runtime_rss_mb"] = self.runtime_rss_mb
+        # What loading, quantizing, compiling and running this model added to the process's peak.
+        out["model_peak_rss_mb"] = (out["peak_rss_mb"] - self.runtime_rss_mb
+                                    if self.runtime_rss_mb is not None else None)
+        return out
+
+
 def run_one(cfg: dict) -> dict:
     """Load (and quantize), configure, compile on the first generate, then time `repeats` generates.
 
     mode "warm" stops after the first generate: it is the second process of a configuration, run to
     time compilation when Inductor's on-disk caches (FX graph, AOT and C++/Triton code) are warm."""
-    import torch
-
-    from ..generation import configure_generate
-
-    if cfg.get("threads"):
-        torch.set_num_threads(cfg["threads"])
-    runtime_rss_mb = import_runtime(cfg)
-    model, tok, load_s, quantize_s = load_model(cfg)
-    ids = prompt_ids(tok, cfg["prompt_len"], cfg.get("text")).repeat(cfg.get("batch", 1), 1)
-    ids = ids.to(cfg.get("device", "cpu"))
-    backend = None if cfg["backend"] == "eager" else cfg["backend"]
-    # Cache exactly as long as the request: its shape is part of the compiled decode graph.
-    configure_generate(model, backend=backend, options=cfg.get("options"),
-                       max_cache_len=cfg["prompt_len"] + cfg["new_tokens"])
-    first = time_generate(model, ids, cfg["new_tokens"])
-    out = {"load_s": load_s, "quantize_s": quantize_s, "first_generate_s": first["generate_s"]}
+    session = Session(cfg)
     if cfg.get("mode") == "warm":
-        return out
-    for _ in range(cfg.get("warmup", 1) - 1):  # the first generate above is warm-up number one
-        time_generate(model, ids, cfg["new_tokens"])
-    graphs_before = _graphs()
-    runs = [time_generate(model, ids, cfg["new_tokens"]) for _ in range(cfg["repeats"])]
-    out.update(_summarize(model, cfg, first, runs, graphs_before))
-    out["runtime_rss_mb"] = runtime_rss_mb
-    # What loading, quantizing, compiling and running this model added to the process's peak.
-    out["model_peak_rss_mb"] = out["peak_rss_mb"] - runtime_rss_mb if runtime_rss_mb is not None else None
-    return out
+        return session.setup
+    for _ in range(cfg["repeats"]):
+        session.timed()
+    return session.summary()
+
+
+def serve(cfg: dict, requests=None, replies=None) -> None:
+    """Interleaved timing (bench/interleave.py): set up, say `{"ready": true}`, then answer each
+    request line -- "time": one timed generate, its decode tok/s; "finish": the summary, and return.
+    One JSON line per reply."""
+    requests, replies = requests or sys.stdin, replies or sys.stdout
+
+    def reply(obj):
+        replies.write(json.dumps(obj) + "\n")
+        replies.flush()
+
+    session = Session(cfg)
+    reply({"ready": True})
+    for line in requests:
+        if line.strip() == "time":
+            reply({"decode_tok_s": session.timed()["decode_tok_s"]})
+        elif line.strip() == "finish":
+            reply(session.summary())
+            return
+        else:
+            reply({"error": f"unknown request {line.strip()!r}"})
 
 
 def _summarize(model, cfg: dict, first: dict, runs: list[dict], graphs_before: int) -> dict:
@@ -221,7 +268,10 @@ def _summarize(model, cfg: dict, first: dict, runs: list[dict], graphs_before: i
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    print(json.dumps(run_one(json.loads(argv[0]))))
+    if argv[0] == "--serve":
+        serve(json.loads(argv[1]))
+    else:
+        print(json.dumps(run_one(json.loads(argv[0]))))
     return 0
 
 

@@ -1,0 +1,97 @@
+"""Interleaved timing: every configuration's process stays alive and the timed generates go round
+robin, one per configuration per round, so a drift of the machine's speed hits every configuration
+alike and the ratios between them stay comparable.
+
+Why: on a shared or virtualized CPU the same configuration can run 1.4-1.9x faster in one phase than
+in another (measured on a 2-core AMD EPYC VM); when configurations run one after the other, a ratio
+between two rows says as much about when each ran as about the configurations. Interleaving keeps
+what isolation gives -- each configuration's compile, allocator and peak RSS are still its own
+process's -- at the price of holding every configuration's model in memory at once
+(`--schedule sequential` runs them one at a time).
+
+Set-up (load, quantize, compile, warm-up) still happens one configuration at a time, while the
+others wait idle, so compile times are measured alone. Rounds alternate direction (A B C, C B A, ...)
+so that no configuration always follows the same neighbour.
+"""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+
+from .grid import error_line, worker_env
+
+
+class WorkerProcess:
+    """A `worker --serve` process for one configuration, spoken to one JSON line at a time."""
+
+    def __init__(self, cfg: dict, cache_dir: str):
+        # stderr goes to a file: a pipe nobody reads would block the worker once it fills up.
+        self.stderr = tempfile.TemporaryFile(mode="w+")
+        self.proc = subprocess.Popen([sys.executable, "-m", "ffl_backend.bench.worker", "--serve", json.dumps(cfg)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
+                                     env=worker_env(cache_dir))
+        self.error = None
+        self.read()  # {"ready": true} once set up
+
+    def read(self) -> dict:
+        """The worker's next JSON line; on exit or a bad line, `error` is set and {} returned."""
+        if self.error is None:
+            for line in self.proc.stdout:
+                if line.startswith("{"):
+                    reply = json.loads(line)
+                    if "error" not in reply:
+                        return reply
+                    self.error = reply["error"]
+                    break
+            else:
+                self.proc.wait()
+                self.stderr.seek(0)
+                self.error = error_line(self.stderr.read()) or f"worker exited with {self.proc.returncode}"
+        return {}
+
+    def request(self, what: str) -> dict:
+        if self.error is not None:
+            return {}
+        try:
+            self.proc.stdin.write(what + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the worker is gone; read() says why
+        return self.read()
+
+    def close(self) -> None:
+        for stream in (self.proc.stdin, self.proc.stdout):
+            stream.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        self.stderr.close()
+
+
+def round_orders(n: int, rounds: int) -> list[list[int]]:
+    """The order configurations are timed in, round by round: forward, backward, forward, ..."""
+    forward = list(range(n))
+    return [forward if r % 2 == 0 else forward[::-1] for r in range(rounds)]
+
+
+def time_interleaved(cfgs: list[dict], cache_dirs: list[str], repeats: int, on_ready=None) -> list[dict]:
+    """Set every configuration up in its own process, one after another, then time `repeats` rounds
+    of one generate each; returns each configuration's summary (or {"error": ...}), in `cfgs` order.
+    Each summary's `decode_tok_s_all[i]` comes from round i. `on_ready(i)` is called after set-up i."""
+    workers = []
+    try:
+        for i, (cfg, cache_dir) in enumerate(zip(cfgs, cache_dirs)):
+            workers.append(WorkerProcess(cfg, cache_dir))
+            if on_ready:
+                on_ready(i)
+        for order in round_orders(len(workers), repeats):
+            for i in order:
+                workers[i].request("time")
+        summaries = [w.request("finish") for w in workers]
+        return [{"error": w.error} if w.error is not None else s for w, s in zip(workers, summaries)]
+    finally:
+        for w in workers:
+            w.close()
+
