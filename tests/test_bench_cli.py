@@ -251,9 +251,10 @@ def test_interleaved_timing_sets_all_up_first_then_alternates_rounds(monkeypatch
     _FakeWorker.events = events = []
     monkeypatch.setattr(interleave, "WorkerProcess", _FakeWorker)
     cfgs = [{"name": "a"}, {"name": "broken", "fails": True}, {"name": "b"}, {"name": "c"}]
-    ready = []
-    out = interleave.time_interleaved(cfgs, ["/tmp"] * 4, repeats=3, on_ready=ready.append)
-    assert ready == [0, 1, 2, 3]
+    progress = []
+    out = interleave.time_interleaved(cfgs, ["/tmp"] * 4, repeats=3, on_progress=lambda *a: progress.append(a))
+    assert progress == [(0, "set up"), (1, "set up"), (2, "set up"), (3, "set up"), (0, "round"), (1, "round"),
+                        (2, "round")]
     assert events[:4] == [("setup", n) for n in ("a", "broken", "b", "c")]
     timed = [n for what, n in events if what == "time"]
     assert timed == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]

@@ -129,11 +129,13 @@ def run_interleaved(todo: list[dict], repeats: int, warm_compile: bool = True, b
 
     cache_dirs = [tempfile.mkdtemp(prefix="ffl-bench-") for _ in todo]
     try:
-        def ready(i):
-            if bar:
+        def progress(i, stage):
+            if bar and stage == "set up":
                 bar.show(f"set up {label(todo[i])} ({i + 1}/{len(todo)}); timing starts once all are")
+            elif bar:
+                bar.show(f"timed round {i + 1}/{repeats} (one generate per configuration)")
 
-        summaries = time_interleaved(todo, cache_dirs, repeats, on_ready=ready)
+        summaries = time_interleaved(todo, cache_dirs, repeats, on_progress=progress)
         results = []
         for cfg, cache_dir, summary in zip(todo, cache_dirs, summaries):
             results.append(_with_warm_compile(cfg, summary, cache_dir, warm_compile))

@@ -76,19 +76,22 @@ def round_orders(n: int, rounds: int) -> list[list[int]]:
     return [forward if r % 2 == 0 else forward[::-1] for r in range(rounds)]
 
 
-def time_interleaved(cfgs: list[dict], cache_dirs: list[str], repeats: int, on_ready=None) -> list[dict]:
+def time_interleaved(cfgs: list[dict], cache_dirs: list[str], repeats: int, on_progress=None) -> list[dict]:
     """Set every configuration up in its own process, one after another, then time `repeats` rounds
     of one generate each; returns each configuration's summary (or {"error": ...}), in `cfgs` order.
-    Each summary's `decode_tok_s_all[i]` comes from round i. `on_ready(i)` is called after set-up i."""
+    Each summary's `decode_tok_s_all[i]` comes from round i. `on_progress(i, stage)` is called after
+    set-up i (stage "set up") and after round i (stage "round")."""
     workers = []
     try:
         for i, (cfg, cache_dir) in enumerate(zip(cfgs, cache_dirs)):
             workers.append(WorkerProcess(cfg, cache_dir))
-            if on_ready:
-                on_ready(i)
-        for order in round_orders(len(workers), repeats):
+            if on_progress:
+                on_progress(i, "set up")
+        for r, order in enumerate(round_orders(len(workers), repeats)):
             for i in order:
                 workers[i].request("time")
+            if on_progress:
+                on_progress(r, "round")
         summaries = [w.request("finish") for w in workers]
         return [{"error": w.error} if w.error is not None else s for w, s in zip(workers, summaries)]
     finally:

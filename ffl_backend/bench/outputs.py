@@ -141,7 +141,9 @@ def write_png(grid: dict, path: str) -> None:
     top.grid(axis="y", alpha=0.3)
     top.margins(y=0.15)
     bottom.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    bottom.set_ylabel("speedup vs Inductor\n(unquantized, same dtype/batch/prompt)")
+    paired = grid.get("settings", {}).get("schedule") == "interleaved"
+    bottom.set_ylabel("speedup vs Inductor\n(unquantized, same dtype/batch/prompt"
+                      + ("; median of per-round ratios)" if paired else ")"))
     bottom.set_xlabel("configuration: dtype, quantization, batch size b, prompt length p (tokens)")
     bottom.grid(axis="y", alpha=0.3)
     bottom.margins(y=0.2)
