@@ -250,12 +250,14 @@ def test_interleaved_timing_sets_all_up_first_then_alternates_rounds(monkeypatch
 
     _FakeWorker.events = events = []
     monkeypatch.setattr(interleave, "WorkerProcess", _FakeWorker)
-    cfgs = [{"name": "a"}, {"name": "broken", "fails": True}, {"name": "b"}, {"name": "c"}]
+    cfgs = [{"name": "a", "quant": "none"}, {"name": "broken", "fails": True}, {"name": "b", "quant": "int8"},
+            {"name": "c", "quant": "int4"}]
     progress = []
     out = interleave.time_interleaved(cfgs, ["/tmp"] * 4, repeats=3, on_progress=lambda *a: progress.append(a))
     assert progress == [(0, "set up"), (1, "set up"), (2, "set up"), (3, "set up"), (0, "round"), (1, "round"),
                         (2, "round")]
-    assert events[:4] == [("setup", n) for n in ("a", "broken", "b", "c")]
+    # quantized ones first: they page the checkpoint out only while no other process maps it
+    assert events[:4] == [("setup", n) for n in ("b", "c", "a", "broken")]
     timed = [n for what, n in events if what == "time"]
     assert timed == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
     assert out[1] == {"error": "RuntimeError: cannot load"}

@@ -125,13 +125,15 @@ def run_sequential(todo: list[dict], warm_compile: bool = True, bar=None) -> lis
 
 def run_interleaved(todo: list[dict], repeats: int, warm_compile: bool = True, bar=None) -> list[dict]:
     """Every configuration in its own process, all alive at once, timed round robin (interleave.py)."""
-    from .interleave import time_interleaved
+    from .interleave import setup_order, time_interleaved
 
     cache_dirs = [tempfile.mkdtemp(prefix="ffl-bench-") for _ in todo]
     try:
+        order = setup_order(todo)
+
         def progress(i, stage):
             if bar and stage == "set up":
-                bar.show(f"set up {label(todo[i])} ({i + 1}/{len(todo)}); timing starts once all are")
+                bar.show(f"set up {label(todo[order[i]])} ({i + 1}/{len(todo)}); timing starts once all are")
             elif bar:
                 bar.show(f"timed round {i + 1}/{repeats} (one generate per configuration)")
 
