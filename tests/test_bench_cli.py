@@ -291,3 +291,23 @@ def test_a_worker_that_dies_while_setting_up_reports_why(tmp_path):
         assert worker.error and "missing" in worker.error and worker.request("time") == {}
     finally:
         worker.close()
+
+
+def test_interleaving_falls_back_to_sequential_where_memory_is_short(tmp_path, monkeypatch):
+    from ffl_backend.bench import interleave
+    from ffl_backend.bench.grid import choose_schedule
+
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    with open(tmp_path / "model.safetensors", "wb") as fh:
+        fh.truncate(200_000_000)  # sparse: the size is what counts
+    cfgs = [{"model": str(tmp_path), "dtype": d, "quant": q}
+            for d, q in (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"))]
+    assert interleave.memory_needed_gb(cfgs) == pytest.approx(3 * interleave.RUNTIME_GB + 0.4 + 0.2
+                                                              + 0.2 * interleave.QUANTIZED_SHARE)
+    assert interleave.available_memory_gb() > 0  # this machine's /proc/meminfo
+    logged = []
+    for available, expected in ((4.0, "sequential"), (10.0, "interleaved"), (None, "interleaved")):
+        monkeypatch.setattr(interleave, "available_memory_gb", lambda: available)
+        assert choose_schedule("interleaved", cfgs, logged.append) == expected
+    assert len(logged) == 1 and "~3.7 GB needed" in logged[0] and "4.0 GB available" in logged[0]
+    assert choose_schedule("sequential", cfgs, logged.append) == "sequential"

@@ -3,6 +3,7 @@
     cli.py        ffl-bench: arguments, checks before any run, one-line errors
     grid.py       the cartesian grid, one fresh process per configuration, agreement and speedups
     worker.py     one configuration measured in its own process (load, compile, TTFT, decode, memory)
+    interleave.py the default schedule: every configuration's process alive, timed round robin
     bandwidth.py  the machine's measured read ceiling, for effective GB/s as % of possible
     outputs.py    table, JSON, CSV, PNG and markdown
 

@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="interleaved", choices=SCHEDULES,
                    help="interleaved: every configuration's process stays alive and timed generates go round "
                         "robin, so a drift of the machine's speed hits all alike (holds every model in memory "
-                        "at once); sequential: one process at a time")
+                        "at once; falls back to sequential, with a note, where they would not fit); "
+                        "sequential: one process at a time")
     p.add_argument("--no-warm-compile", action="store_true",
                    help="skip the second process that times compilation with warm on-disk caches")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")

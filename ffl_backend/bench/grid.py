@@ -5,6 +5,9 @@ Triton cache folder, so no configuration can warm another's compile caches, shar
 raise its peak-RSS high-water mark. Compiled configurations then run a second fresh process on that
 same folder: its first generate is the *warm* compile time, i.e. what a user pays on the next start
 of the same model when Inductor's on-disk caches already hold the compiled code (Dynamo still traces).
+Schedule: by default every configuration's process stays alive and the timed generates go round robin
+(interleave.py), so a drift of the machine's speed cancels out of the ratios; "sequential" runs one
+process at a time.
 Outputs are checked before speeds are compared: greedy tokens against eager of the same dtype, batch
 and prompt (unquantized), as the length of the matching prefix.
 """
@@ -109,6 +112,19 @@ def _with_warm_compile(cfg: dict, measured: dict, cache_dir: str, warm_compile: 
         else:
             res["compile_warm_s"] = max(0.0, warm["first_generate_s"] - res["generate_s"])
     return res
+
+
+def choose_schedule(requested: str, todo: list[dict], log=print) -> str:
+    """`requested`, unless interleaving would hold more memory than the machine has: then sequential,
+    said in the log (an out-of-memory kill would lose the whole grid)."""
+    from .interleave import fits_in_memory
+
+    if requested == "interleaved":
+        fits, figures = fits_in_memory(todo)
+        if not fits:
+            log(f"  interleaved schedule would not fit ({figures}): running one configuration at a time")
+            return "sequential"
+    return requested
 
 
 def run_sequential(todo: list[dict], warm_compile: bool = True, bar=None) -> list[dict]:
@@ -244,9 +260,9 @@ def run_grid(model, backends=BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=
                 "threads": threads}
     todo, skipped = configurations(model, backends, dtypes, quants, batches, prompt_lens, options=options,
                                    **settings)
-    settings["schedule"] = schedule
     for cfg in skipped:
         log(f"  skipped {label(cfg)}: {cfg['reason']}")
+    settings["schedule"] = schedule = choose_schedule(schedule, todo, log)
     bar = Progress(len(todo)) if progress else None
     results = (run_interleaved(todo, repeats, warm_compile, bar) if schedule == "interleaved"
                else run_sequential(todo, warm_compile, bar))
