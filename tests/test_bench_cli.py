@@ -309,5 +309,13 @@ def test_interleaving_falls_back_to_sequential_where_memory_is_short(tmp_path, m
     for available, expected in ((4.0, "sequential"), (10.0, "interleaved"), (None, "interleaved")):
         monkeypatch.setattr(interleave, "available_memory_gb", lambda: available)
         assert choose_schedule("interleaved", cfgs, logged.append) == expected
-    assert len(logged) == 1 and "~3.7 GB needed" in logged[0] and "4.0 GB available" in logged[0]
+    assert len(logged) == 1 and "~3.7 GB memory needed" in logged[0] and "4.0 GB available" in logged[0]
     assert choose_schedule("sequential", cfgs, logged.append) == "sequential"
+    # on a GPU the device's free memory is checked as well
+    monkeypatch.setattr(interleave, "available_memory_gb", lambda: 100.0)
+    monkeypatch.setattr(interleave, "available_gpu_memory_gb", lambda: 2.0)
+    gpu = [{**cfg, "device": "cuda"} for cfg in cfgs]
+    assert interleave.gpu_memory_needed_gb(gpu) == pytest.approx(
+        interleave.memory_needed_gb(gpu) - 3 * (interleave.RUNTIME_GB - interleave.CUDA_CONTEXT_GB))
+    assert choose_schedule("interleaved", gpu, logged.append) == "sequential" and "GPU memory" in logged[-1]
+    assert choose_schedule("interleaved", cfgs, logged.append) == "interleaved"  # CPU runs ignore the GPU

@@ -78,6 +78,7 @@ RUNTIME_GB = 1.0
 # A quantized model against its unquantized one: int8 with a bf16 embedding is 0.61x of bf16 on
 # SmolLM2-135M and 0.53x on 1.7B; int4 less.
 QUANTIZED_SHARE = 0.65
+CUDA_CONTEXT_GB = 0.6  # a CUDA context with cuBLAS and Triton loaded, rounded up
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -94,14 +95,21 @@ def checkpoint_gb(folder: str) -> tuple[float, int]:
     return size, _ITEMSIZE.get(str(stored).replace("torch.", ""), 2)
 
 
+def _weights_gb(cfg: dict) -> float:
+    size, stored = checkpoint_gb(cfg["model"])
+    weights = size * _ITEMSIZE.get(cfg["dtype"], 2) / stored
+    return weights * (QUANTIZED_SHARE if cfg.get("quant", "none") != "none" else 1.0)
+
+
 def memory_needed_gb(cfgs: list[dict]) -> float:
-    """A generous estimate of what every configuration's process holds at once when interleaved."""
-    total = 0.0
-    for cfg in cfgs:
-        size, stored = checkpoint_gb(cfg["model"])
-        weights = size * _ITEMSIZE.get(cfg["dtype"], 2) / stored
-        total += RUNTIME_GB + weights * (QUANTIZED_SHARE if cfg.get("quant", "none") != "none" else 1.0)
-    return total
+    """A generous estimate of the host memory every configuration's process holds at once when
+    interleaved (a GPU configuration's weights counted on the host too: they are loaded there first)."""
+    return sum(RUNTIME_GB + _weights_gb(cfg) for cfg in cfgs)
+
+
+def gpu_memory_needed_gb(cfgs: list[dict]) -> float:
+    """The same for GPU memory: each CUDA process holds a context and its model."""
+    return sum(CUDA_CONTEXT_GB + _weights_gb(cfg) for cfg in cfgs if str(cfg.get("device", "cpu")).startswith("cuda"))
 
 
 def available_memory_gb() -> float | None:
@@ -113,13 +121,29 @@ def available_memory_gb() -> float | None:
         return None
 
 
+def available_gpu_memory_gb() -> float | None:
+    """Free memory of the current CUDA device, or None without one."""
+    import torch
+
+    return torch.cuda.mem_get_info()[0] / 1e9 if torch.cuda.is_available() else None
+
+
 def fits_in_memory(cfgs: list[dict]) -> tuple[bool, str]:
-    """Whether interleaving `cfgs` should fit in this machine's available memory (with 20% to spare),
-    and the figures that say so."""
-    need, free = memory_needed_gb(cfgs), available_memory_gb()
-    if free is None:
-        return True, f"~{need:.1f} GB needed, available memory unknown"
-    return need <= 0.8 * free, f"~{need:.1f} GB needed for all configurations at once, {free:.1f} GB available"
+    """Whether interleaving `cfgs` should fit in this machine's available memory, host and (for CUDA
+    configurations) GPU, with 20% to spare; and the figures that say so."""
+    checks = [("", memory_needed_gb(cfgs), available_memory_gb)]
+    if any(str(cfg.get("device", "cpu")).startswith("cuda") for cfg in cfgs):
+        checks.append(("GPU ", gpu_memory_needed_gb(cfgs), available_gpu_memory_gb))
+    figures = []
+    for kind, need, available in checks:
+        free = available()
+        if free is None:
+            figures.append(f"~{need:.1f} GB {kind}memory needed, available unknown")
+            continue
+        figures.append(f"~{need:.1f} GB {kind}memory needed for all configurations at once, {free:.1f} GB available")
+        if need > 0.8 * free:
+            return False, figures[-1]
+    return True, "; ".join(figures)
 
 
 def setup_order(cfgs: list[dict]) -> list[int]:

@@ -137,7 +137,8 @@ def test_quantize_returns_the_free_heap_after_every_replaced_layer(saved_llama, 
     model = AutoModelForCausalLM.from_pretrained(saved_llama, dtype=torch.bfloat16).eval()
     events = []
     real_page_out = file_pages.page_out
-    monkeypatch.setattr("ffl_backend.quant.api.page_out", lambda t, r=None: events.append("page_out") or real_page_out(t, r))
+    monkeypatch.setattr("ffl_backend.quant.api.page_out",
+                        lambda t, r=None: events.append("page_out") or real_page_out(t, r))
     monkeypatch.setattr("ffl_backend.quant.api.release_free_heap", lambda: events.append("trim"))
     ffl_backend.quantize(model, "int8")
     layers = events.count("page_out")
