@@ -11,8 +11,9 @@ process's -- at the price of holding every configuration's model in memory at on
 
 Set-up (load, quantize, compile, warm-up) still happens one configuration at a time, while the
 others wait idle, so compile times are measured alone; quantized configurations are set up first
-(`setup_order`). Rounds alternate direction (A B C, C B A, ...)
-so that no configuration always follows the same neighbour.
+(`setup_order`). Rounds alternate direction (A B C, C B A, ...) so that no configuration always
+follows the same neighbour. The memory every process holds at once is estimated first; where it
+would not fit, the grid runs sequentially instead (grid.choose_schedule).
 """
 from __future__ import annotations
 
