@@ -12,7 +12,9 @@ medians.
     python benchmarks/ab_decode.py --quant int8-all --a '{"inductor_config": {"cpp.enable_floating_point_contract_flag": "off"}}' --b '{}'
     python benchmarks/ab_decode.py ... --dtype float32 --rounds 7 --out benchmarks/results/fp_contract_ab_cpu.json   (appends a row)
     python benchmarks/ab_decode.py --variants '[{"name": "inductor fp32", "backend": "inductor", "dtype": "float32"},
-        {"name": "fastflow int8", "quant": "int8"}]'      (defaults: backend fastflow, --dtype, --quant, options {})
+        {"name": "fastflow int8", "quant": "int8"}, {"name": "optimize int8", "quant": "int8", "entry": "optimize"}]'
+        (defaults: backend fastflow, --dtype, --quant, options {}, entry "generate" = configure_generate over a
+        cache of 16 + new tokens; "optimize" = ffl_backend.optimize(model, mode=..., **options); mode None)
 
 --a/--b are fastflow options of two variants that share --dtype and --quant.
 """
@@ -22,26 +24,31 @@ import argparse
 import json
 import statistics
 
-SETUP_KEYS = ("name", "backend", "dtype", "quant", "options")
+SETUP_KEYS = ("name", "backend", "dtype", "quant", "options", "entry", "mode")
 
 
 def _variant(spec: dict, dtype: str, quant: str) -> dict:
     unknown = set(spec) - set(SETUP_KEYS)
     if unknown:
         raise ValueError(f"unknown variant keys {sorted(unknown)}; known: {SETUP_KEYS}")
-    v = {"backend": "fastflow", "dtype": dtype, "quant": quant, "options": {}, **spec}
+    v = {"backend": "fastflow", "dtype": dtype, "quant": quant, "options": {}, "entry": "generate", "mode": None, **spec}
     v.setdefault("name", f"{v['backend']} {v['dtype']} {v['quant']}")
     return v
 
 
 def _prepare(v: dict, new_tokens: int):
+    import ffl_backend
     from ffl_backend.bench.worker import load_model, prompt_ids, time_generate
     from ffl_backend.generation import configure_generate
     from ffl_backend.models import smollm2_path
 
     model, tok, _, _ = load_model({"model": str(smollm2_path()), "dtype": v["dtype"], "quant": v["quant"]})
     backend = None if v["backend"] == "eager" else v["backend"]
-    configure_generate(model, backend=backend, options=v["options"] or None, max_cache_len=16 + new_tokens)
+    if v["entry"] == "optimize":  # what users are told to call: ffl_backend.optimize's defaults
+        ffl_backend.optimize(model, mode=v["mode"], **v["options"])
+    else:
+        configure_generate(model, backend=backend, options=v["options"] or None, max_cache_len=16 + new_tokens,
+                           mode=v["mode"])
     ids = prompt_ids(tok, 16)
     for _ in range(2):  # compile, then one warm run
         time_generate(model, ids, new_tokens)

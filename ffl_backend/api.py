@@ -26,6 +26,9 @@ import torch
 logger = logging.getLogger("ffl_backend")
 
 DEFAULT_MAX_SEQ_LEN = 2048
+# The torch.compile mode decode steps compile with: on CPU "reduce-overhead" is the C++ wrapper
+# (config.CPU_REDUCE_OVERHEAD_CONFIG), on CUDA CUDA graphs over the static cache (docs/modes.md).
+DEFAULT_MODE = "reduce-overhead"
 _STATE = "_fastflow_state"
 
 
@@ -98,7 +101,8 @@ def _checked_generate(model, generate, max_batch_size: int, max_seq_len: int):
 
 
 def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | None = None,
-             attention: str | None = "fastflow", **backend_options):
+             attention: str | None = "fastflow", mode: str | None = DEFAULT_MODE, decode_loop: bool = True,
+             **backend_options):
     """Patch `model` in place for fast generation and return it (see the module docstring).
 
     quant: what `ffl_backend.quantize` takes ("int8", a config, ...), or None.
@@ -109,10 +113,11 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     """
     from .attention import hf
     from .config import BackendOptions
+    from .decode_loop import DecodeLoop
     from .generation import configure_generate
     from .patterns.horizontal import share_fused_storage
 
-    BackendOptions.parse(None, backend_options)  # a typo fails here, not at the first decode step
+    BackendOptions.parse(mode, backend_options)  # a typo fails here, not at the first decode step
     cfg = _text_config(model.config)
     if max_seq_len is None:
         max_seq_len = min(getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
@@ -128,8 +133,9 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     state["attention"] = hf.install(model, attention)
     # q/k/v and gate/up as slices of one tensor: horizontal fusion then reuses it instead of copying
     share_fused_storage(model)
-    configure_generate(model, backend="fastflow", options=backend_options, max_cache_len=max_seq_len)
-    model.generate = _checked_generate(model, model.generate, max_batch_size, max_seq_len)
+    configure_generate(model, backend="fastflow", options=backend_options, max_cache_len=max_seq_len, mode=mode)
+    generate = DecodeLoop(model, model.generate, max_seq_len) if decode_loop else model.generate
+    model.generate = _checked_generate(model, generate, max_batch_size, max_seq_len)
     setattr(model, _STATE, state)
     nbytes = kv_cache_bytes(cfg, max_batch_size, max_seq_len, model.dtype, cap_sliding=False)
     logger.info("fastflow: static KV cache %d x %d tokens = %.1f MiB (%s); attention=%s",

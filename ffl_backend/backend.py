@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from .config import DEFAULT_INDUCTOR_CONFIG, BackendOptions
+from .config import BackendOptions
 from .report import GraphReport, next_graph_id, record
 
 logger = logging.getLogger("ffl_backend")
@@ -78,8 +78,7 @@ def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
 
         from .cache_key import cache_config
 
-        patches = {**DEFAULT_INDUCTOR_CONFIG, **opts.inductor_config}
-        compiled = compile_fx(gm, example_inputs, config_patches=cache_config(patches))
+        compiled = compile_fx(gm, example_inputs, config_patches=cache_config(opts.inductor_patches(device)))
     else:
         compiled = gm.forward
     report.compile_seconds = time.perf_counter() - start

@@ -50,8 +50,30 @@ CPU_GEMV_CHOICES = ("auto", "kernel", "loops")
 DEFAULT_INDUCTOR_CONFIG = {"size_asserts": False, "cpp.enable_floating_point_contract_flag": "fast"}
 
 
+# What "reduce-overhead" adds on CPU, where there are no CUDA graphs: see docs/modes.md.
+CPU_REDUCE_OVERHEAD_CONFIG = {"cpp_wrapper": True}
+
+# torch.compile's modes (torch._inductor.list_mode_options). Each brings Inductor's own settings for it
+# ("reduce-overhead": CUDA graphs; "max-autotune": autotuned kernels, and CUDA graphs); on CPU
+# "reduce-overhead" also brings CPU_REDUCE_OVERHEAD_CONFIG.
+MODES = ("default", "lite", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+def mode_config(mode: str | None, device: str) -> dict:
+    """Inductor settings a torch.compile `mode` stands for on `device` (cpu, cuda, ...)."""
+    if mode in (None, "default"):
+        return {}
+    from torch._inductor import list_mode_options
+
+    patches = dict(list_mode_options(mode))
+    if device == "cpu" and mode == "reduce-overhead":
+        patches.update(CPU_REDUCE_OVERHEAD_CONFIG)
+    return patches
+
+
 @dataclasses.dataclass(frozen=True)
 class BackendOptions:
+    mode: str | None = None
     patterns: tuple = PATTERN_FAMILIES
     on_error: str = "fallback"
     inductor: bool = True
@@ -61,9 +83,14 @@ class BackendOptions:
 
     @classmethod
     def parse(cls, mode=None, options=None) -> "BackendOptions":
-        if mode not in (None, "default"):
-            raise ValueError(f"fastflow: mode={mode!r} is not supported; pass options={{...}} instead")
+        """`mode` as torch.compile passes it, or as options["mode"] (torch.compile refuses mode= and
+        options= together, so that is how both are given)."""
         options = dict(options or {})
+        if mode is not None and options.get("mode", mode) != mode:
+            raise ValueError(f"fastflow: mode={mode!r} and options['mode']={options['mode']!r} disagree")
+        options["mode"] = options.get("mode", mode)
+        if options["mode"] not in (None, *MODES):
+            raise ValueError(f"fastflow: unknown mode {options['mode']!r}; known: {MODES}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(options) - known
         if unknown:
@@ -79,3 +106,7 @@ class BackendOptions:
         if options.get("cpu_gemv", "auto") not in CPU_GEMV_CHOICES:
             raise ValueError(f"fastflow: cpu_gemv must be one of {CPU_GEMV_CHOICES}")
         return cls(**options)
+
+    def inductor_patches(self, device: str) -> dict:
+        """fastflow's Inductor defaults, then what the mode stands for, then the user's own patches."""
+        return {**DEFAULT_INDUCTOR_CONFIG, **mode_config(self.mode, device), **self.inductor_config}

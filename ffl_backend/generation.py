@@ -30,19 +30,22 @@ def enable_fast_guards() -> None:
         setattr(torch._dynamo.config, key, value)
 
 
-def compile_config(backend="fastflow", options=None, fullgraph=False, dynamic=False):
-    """A transformers CompileConfig for `backend`, usable on CPU as well as CUDA."""
+def compile_config(backend="fastflow", options=None, fullgraph=False, dynamic=False, mode=None):
+    """A transformers CompileConfig for `backend` and torch.compile `mode`, usable on CPU as well as CUDA."""
     from transformers import CompileConfig
 
-    kwargs = dict(backend=backend, mode=None, fullgraph=fullgraph, dynamic=dynamic)
+    options = dict(options or {})
+    if backend == "fastflow" and options and mode is not None:
+        options["mode"], mode = mode, None  # torch.compile refuses mode= together with options=
+    kwargs = dict(backend=backend, mode=mode, fullgraph=fullgraph, dynamic=dynamic)
     if options:
-        kwargs["options"] = dict(options)
+        kwargs["options"] = options
     cc = CompileConfig(**kwargs)
     cc._compile_all_devices = True  # transformers otherwise compiles only on CUDA
     return cc
 
 
-def configure_generate(model, backend="fastflow", options=None, max_cache_len=None):
+def configure_generate(model, backend="fastflow", options=None, max_cache_len=None, mode=None):
     """Set `model.generation_config` so `generate()` uses a static cache compiled with `backend`,
     and enable Dynamo's fast guard path (`enable_fast_guards`) for whichever backend.
 
@@ -58,7 +61,7 @@ def configure_generate(model, backend="fastflow", options=None, max_cache_len=No
         gc.disable_compile = True
         return model
     gc.disable_compile = False
-    gc.compile_config = compile_config(backend, options)
+    gc.compile_config = compile_config(backend, options, mode=mode)
     enable_fast_guards()
     logger.info("generate() will decode over a static cache compiled with backend=%r", backend)
     return model

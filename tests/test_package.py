@@ -49,5 +49,26 @@ def test_bad_options_are_clear_errors():
         BackendOptions.parse(options={"pattern": ["rms_norm"]})
     with pytest.raises(ValueError, match="unknown pattern families"):
         BackendOptions.parse(options={"patterns": ["rmsnorm"]})
-    with pytest.raises(ValueError, match="mode"):
-        BackendOptions.parse(mode="max-autotune")
+    with pytest.raises(ValueError, match="unknown mode"):
+        BackendOptions.parse(mode="max-autotune-everything")
+    with pytest.raises(ValueError, match="disagree"):
+        BackendOptions.parse(mode="max-autotune", options={"mode": "default"})
+
+
+def test_every_torch_compile_mode_is_accepted():
+    """torch.compile's modes, given as mode= or (with other options) as options["mode"], stand for
+    Inductor's own settings of that mode; "reduce-overhead" on CPU adds the C++ wrapper."""
+    from torch._inductor import list_mode_options
+
+    from ffl_backend.config import CPU_REDUCE_OVERHEAD_CONFIG, MODES, BackendOptions
+
+    assert set(MODES) == set(list_mode_options())
+    for mode in (None, *MODES):
+        for opts in (BackendOptions.parse(mode=mode), BackendOptions.parse(options={"mode": mode, "on_error": "raise"})):
+            patches = opts.inductor_patches("cuda")
+            assert all(patches[k] == v for k, v in list_mode_options(mode or "default").items())
+    cpu = BackendOptions.parse(mode="reduce-overhead").inductor_patches("cpu")
+    assert all(cpu[k] == v for k, v in CPU_REDUCE_OVERHEAD_CONFIG.items())
+    assert not BackendOptions.parse().inductor_patches("cpu").get("cpp_wrapper")
+    user = BackendOptions.parse(mode="reduce-overhead", options={"inductor_config": {"cpp_wrapper": False}})
+    assert user.inductor_patches("cpu")["cpp_wrapper"] is False  # the user's own patches win

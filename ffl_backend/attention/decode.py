@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels import cpu_gemv
 from ..kernels._triton import HAS_TRITON, AotSpec, ptr, tl, triton
 from .prefill import (AOT_BLOCK_DS, AOT_DTYPES, dot, dot_precision, flash_launch, head_block, row_cost,
                       upcast_dot)
@@ -180,9 +181,23 @@ def attention_decode_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled:
     return out
 
 
+# Query rows per KV head up to which the C++ kernel (fastflow_cpu::decode_attention) serves a CPU
+# call; longer blocks (prompts) go to SDPA, whose tiled kernels are faster there.
+CPU_KERNEL_MAX_ROWS = 64
+
+
+def cpu_kernel_fits(q: Tensor, k_cache: Tensor) -> bool:
+    """Whether the C++ decode-attention kernel suits this call (CPU, a few query rows per KV head);
+    callers also need the library built (`cpu_gemv.load()`)."""
+    return q.device.type == "cpu" and q.shape[1] // max(1, k_cache.shape[1]) * q.shape[2] <= CPU_KERNEL_MAX_ROWS
+
+
 def attention_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Tensor, scale: float,
                          window: int = 0, mask: Tensor | None = None) -> Tensor:
-    """Slice the cache to the filled length, then SDPA (no K/V repeat: enable_gqa)."""
+    """A few query rows: the C++ kernel. Else: slice the cache to the filled length, then SDPA (no K/V
+    repeat: enable_gqa)."""
+    if cpu_kernel_fits(q, k_cache) and cpu_gemv.load():
+        return torch.ops.fastflow_cpu.decode_attention(q, k_cache, v_cache, filled, scale, window, mask).contiguous()
     n = int(filled)  # a CPU tensor: no device sync
     q_len = q.shape[2]
     k, v = k_cache[:, :, :n], v_cache[:, :, :n]

@@ -28,7 +28,9 @@ import sys
 import torch
 from torch import Tensor
 
-from . import decode as _decode  # noqa: F401  (registers torch.ops.fastflow.attention_decode)
+from ..kernels import cpu_gemv
+from . import decode as _decode  # registers torch.ops.fastflow.attention_decode
+from .reference import visible
 from . import prefill as _prefill  # noqa: F401  (registers torch.ops.fastflow.attention_prefill)
 
 NAME = "fastflow"  # no "flash" in it: transformers would switch on its own FlashAttention paths
@@ -46,9 +48,17 @@ def _bool_mask(mask: Tensor) -> Tensor:
     return mask if mask.dtype == torch.bool else mask == 0
 
 
-def _eager_fallback(module, query, key, value, attention_mask, **kwargs):
-    """The model's own eager attention, for what the ops do not cover (logit softcapping, dropout)."""
+def _eager_fallback(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
+    """The model's own eager attention, for what the ops do not cover (logit softcapping, dropout).
+    A sliding window is ANDed into the mask here, as the ops apply it themselves: the decode loop
+    hands every layer one full-causal mask (decode_loop.py)."""
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    if sliding_window and attention_mask is not None and attention_mask.dim() == 4:
+        mask = _bool_mask(attention_mask)
+        q_len = query.shape[2]
+        window = visible(q_len, mask.shape[-1], int(sliding_window), mask.device,
+                         q_start=filled_length(mask) - q_len)
+        attention_mask = mask & window
     if attention_mask is not None and attention_mask.dtype == torch.bool:
         zero = torch.zeros((), dtype=query.dtype, device=query.device)
         attention_mask = torch.where(attention_mask, zero, torch.finfo(query.dtype).min)
@@ -71,8 +81,17 @@ def fastflow_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
         out = torch.ops.fastflow.attention_prefill(query, key, value, scale, window)
     else:
         mask = _bool_mask(attention_mask)
-        out = torch.ops.fastflow.attention_decode(query, key, value, filled_length(mask), scale, window, mask)
+        # On CPU the C++ kernel is called directly, not through the Python op around it: one
+        # dispatcher call per layer in the compiled decode step (under cpp_wrapper a C++ call).
+        op = (torch.ops.fastflow_cpu.decode_attention if _cpu_kernel["built"] and _decode.cpu_kernel_fits(query, key)
+              else torch.ops.fastflow.attention_decode)
+        out = op(query, key, value, filled_length(mask), scale, window, mask)
     return out.transpose(1, 2), None
+
+
+# Whether the fastflow_cpu library is built, read by the traced attention function (a plain value
+# Dynamo can guard on: `cpu_gemv.load()` itself takes a lock, which a trace must not enter).
+_cpu_kernel = {"built": False}
 
 
 def register() -> None:
@@ -92,19 +111,23 @@ def has_sliding_layers(config) -> bool:
     return "sliding_attention" in layer_types
 
 
-def _unrolled_static_cache(model):
-    """A per-instance `_prepare_static_cache` whose sliding layers are full-length StaticLayers."""
+def unroll_sliding_layers(cache, max_cache_len: int):
+    """Give the sliding-window layers of a static cache full-length StaticLayers (module docstring)."""
     from transformers.cache_utils import StaticLayer, StaticSlidingWindowLayer
 
+    layers = getattr(cache, "self_attention_cache", cache).layers
+    for i, layer in enumerate(layers):
+        if isinstance(layer, StaticSlidingWindowLayer):
+            layers[i] = StaticLayer(max_cache_len=max_cache_len)
+    return cache
+
+
+def _unrolled_static_cache(model):
+    """A per-instance `_prepare_static_cache` whose sliding layers are full-length StaticLayers."""
     original = model._prepare_static_cache
 
     def prepare(*args, **kwargs):
-        cache = original(*args, **kwargs)
-        layers = getattr(cache, "self_attention_cache", cache).layers
-        for i, layer in enumerate(layers):
-            if isinstance(layer, StaticSlidingWindowLayer):
-                layers[i] = StaticLayer(max_cache_len=model._previous_max_cache_length)
-        return cache
+        return unroll_sliding_layers(original(*args, **kwargs), model._previous_max_cache_length)
 
     return prepare
 
@@ -116,6 +139,8 @@ def install(model, attention: str | None = NAME) -> dict:
         return state
     if attention == NAME:
         register()
+        if model.device.type == "cpu":
+            _cpu_kernel["built"] = cpu_gemv.load()
     model.set_attn_implementation(attention)
     if attention == NAME and has_sliding_layers(model.config):
         model._prepare_static_cache = _unrolled_static_cache(model)

@@ -22,6 +22,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -36,8 +37,11 @@
 #include <cstdint>
 #include <cstring>
 #include <optional>
+#include <atomic>
 #include <utility>
 #include <vector>
+
+#include "cpu_kernels.h"
 
 namespace {
 
@@ -230,6 +234,9 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights, at::TensorList scal
     first_row.push_back(first_row.back() + w.size(0));
   }
 
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = first_row.back();
+  if (fastflow_cpu::null_kernels()) return at::zeros(shape, x.options());
   const std::vector<float> x32 = as_floats(x);
   std::vector<float> y32(first_row.back());
   if (wtype == at::kChar) {
@@ -249,8 +256,6 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights, at::TensorList scal
       for (int64_t n = 0; n < N; ++n) y32[begin + n] += b[n];
     }
   }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = first_row.back();
   at::Tensor out = at::empty(shape, x.options());
   store_floats(y32, out);
   return out;
@@ -499,6 +504,9 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
                   scale_zeros.sizes() == at::IntArrayRef({blocks, K / G, 2, kInt4Rows}),
               "fastflow_cpu::int4_gemv: scale_zeros must be a contiguous (N/16, K/G, 2, 16) bf16 tensor");
   if (bias) check_vector(*bias, N, "bias");
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  if (fastflow_cpu::null_kernels()) return at::zeros(shape, x.options());
   const at::Tensor rows = x.reshape({-1, K});
   const std::vector<float> x32 = as_floats(rows);
   const std::vector<float> b = bias ? as_floats(*bias) : std::vector<float>();
@@ -520,18 +528,24 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   for (int64_t m = 0; m < static_cast<int64_t>(b.empty() ? 0 : M); ++m) {
     for (int64_t n = 0; n < N; ++n) y32[m * N + n] += b[n];
   }
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
   at::Tensor out = at::empty(shape, x.options());
   store_floats(y32, out);
   return out;
 }
 
+std::atomic<bool> null_kernels_on{false};
+
+bool set_null_kernels(bool on) { return null_kernels_on.exchange(on); }
+
 }  // namespace
+
+bool fastflow_cpu::null_kernels() { return null_kernels_on.load(std::memory_order_relaxed); }
 
 TORCH_LIBRARY(fastflow_cpu, m) {
   m.def("gemv(Tensor x, Tensor[] weights, Tensor[] scales, Tensor[] biases) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_zeros, Tensor? bias, int group_size) -> Tensor");
+  // Benchmark switch (cpu_kernels.h): returns the previous setting.
+  m.def("set_null_kernels(bool on) -> bool", &set_null_kernels);
 }
 
 TORCH_LIBRARY_IMPL(fastflow_cpu, CPU, m) {

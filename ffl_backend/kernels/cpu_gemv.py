@@ -23,6 +23,7 @@ logged warning and callers keep Inductor's loop, which is correct, only slower.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -39,7 +40,10 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("cpu_gemv.cpp")
+# One library, fastflow_cpu: the GEMVs, and decode attention (cpu_attention.cpp, the reference is
+# attention/reference.py); cpu_kernels.h is what the sources share.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 OP_NAMESPACE = "fastflow_cpu"
 WEIGHT_DTYPES = (torch.int8, torch.bfloat16)
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -142,7 +146,7 @@ def _compile_command(out: Path) -> list:
     includes = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [_compiler(), "-O3", f"-march={target_arch()}", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in includes], str(SOURCE), "-o", str(out),
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in includes], *map(str, SOURCES), "-o", str(out),
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
 
 
@@ -160,7 +164,7 @@ def library_path() -> Path:
     """Where the built library for this source, torch, compile command and CPU lives."""
     key = hashlib.sha256()
     flags = " ".join(_compile_command(Path("out.so")))
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), flags.encode(), _cpu_flags().encode(),
+    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), torch.__version__.encode(), flags.encode(), _cpu_flags().encode(),
                  sys.version.encode()):
         key.update(part)
     return _cache_dir() / f"cpu_gemv_{key.hexdigest()[:16]}.so"
@@ -202,6 +206,7 @@ def _try_load() -> bool:
         torch.ops.load_library(str(target))
         torch.library.register_fake(f"{OP_NAMESPACE}::gemv")(_fake_gemv)
         torch.library.register_fake(f"{OP_NAMESPACE}::int4_gemv")(_fake_int4_gemv)
+        torch.library.register_fake(f"{OP_NAMESPACE}::decode_attention")(_fake_decode_attention)
         return True
     except Exception as exc:  # no compiler, no headers, a link error: keep the (correct) Inductor loop
         _state["error"] = str(exc)
@@ -220,3 +225,20 @@ def _fake_gemv(x: Tensor, weights, scales, biases) -> Tensor:
 
 def _fake_int4_gemv(x: Tensor, packed, scale_zeros, bias, group_size: int) -> Tensor:
     return x.new_empty((*x.shape[:-1], packed.shape[0] * INT4_ROWS))
+
+
+def _fake_decode_attention(q: Tensor, k_cache, v_cache, filled, scale, window, mask) -> Tensor:
+    # (B, Lq, Hq, D) memory seen as (B, Hq, Lq, D), as the kernel returns it
+    b, hq, lq, d = q.shape
+    return q.new_empty((b, lq, hq, d)).transpose(1, 2)
+
+
+@contextlib.contextmanager
+def null_kernels():
+    """Within this block the library's kernels return zeros without computing (a benchmark of what
+    a decode step costs outside them: benchmarks/decode_overhead.py). Needs `load()`."""
+    previous = torch.ops.fastflow_cpu.set_null_kernels(True)
+    try:
+        yield
+    finally:
+        torch.ops.fastflow_cpu.set_null_kernels(previous)
