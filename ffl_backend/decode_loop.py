@@ -23,6 +23,8 @@ import logging
 
 import torch
 
+from .kernels import cpu_gemv
+
 logger = logging.getLogger("ffl_backend")
 
 # generate() arguments (besides the token ids) the loop takes; any other model input falls back.
@@ -67,12 +69,38 @@ def _unsupported(model, gc, model_kwargs, extra) -> str | None:
     return None
 
 
+def decode_step(model, input_ids, attention_mask, position_ids, cache, keep: dict, cpu_argmax: bool):
+    """One decode step: the newest position's logits and their argmax, both inside the compiled graph
+    (torch's argmax over a 49k vocabulary takes 50-140 us on CPU, fastflow_cpu::argmax a few)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                   use_cache=True, **keep).logits[:, -1]
+    return logits, (torch.ops.fastflow_cpu.argmax(logits) if cpu_argmax else logits.argmax(-1))
+
+
+class _Unguarded:
+    """`skip_guard_eval_unsafe` as a reusable context: building torch.compiler.set_stance costs ~30 us,
+    entering a built one ~3 us. Built per generate() call, so it restores the stance of that call."""
+
+    def __init__(self):
+        import torch._dynamo.eval_frame as eval_frame
+
+        self._stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
+        eval_frame._set_stance(self._stance.prev)  # building it applied it; only `with` should
+
+    def __enter__(self):
+        self._stance.__enter__()
+
+    def __exit__(self, *exc):
+        self._stance.__exit__(*exc)
+
+
 class DecodeLoop:
     """One per optimized model: its static caches (one per batch size) and the compiled step."""
 
     def __init__(self, model, generate, max_seq_len: int):
         self.model, self.hf_generate, self.max_seq_len = model, generate, max_seq_len
         self._caches: dict = {}
+        self._steps: dict = {}  # compile config -> compiled decode_step
         self._skip_guards = False  # set after guarded steps that compiled nothing (see _step)
         self._keep = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
 
@@ -147,41 +175,78 @@ class DecodeLoop:
             positions = (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
         else:
             positions = torch.arange(prompt, device=ids.device).expand(batch, prompt)
-        mask = self._decode_mask(ids, attention_mask)
         cache = self._cache(batch, ids.device)
         if streamer is not None:
             streamer.put(ids.cpu())
         logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                       use_cache=True, **self._keep).logits
-        step = model.get_compiled_call(gc.compile_config) if not gc.disable_compile else model.__call__
-        token = ids.new_zeros((batch, 1))
-        position = ids.new_empty((batch, 1)).copy_(positions[:, -1:])  # fixed strides: no guard on the prompt
+                       use_cache=True, **self._keep).logits[:, -1]
+        cpu_argmax = ids.device.type == "cpu" and cpu_gemv.load()
+        best = torch.ops.fastflow_cpu.argmax(logits) if cpu_argmax else logits.argmax(-1)
+        inputs = dict(input_ids=ids.new_zeros((batch, 1)), attention_mask=self._decode_mask(ids, attention_mask),
+                      position_ids=ids.new_empty((batch, 1)).copy_(positions[:, -1:]),  # fixed strides
+                      cache=cache, keep=self._keep, cpu_argmax=cpu_argmax)
+        step = self._compiled_step(gc)
+        unguarded = _Unguarded()
         unfinished = torch.ones(batch, dtype=torch.bool, device=ids.device)
-        pad = gc._pad_token_tensor
+        eos, pad = gc._eos_token_tensor, gc._pad_token_tensor
+        # max length and eos are checked here; other stopping criteria (stop strings, max_time, the
+        # caller's) run as transformers runs them
+        own_stop = all(type(c).__name__ in ("MaxLengthCriteria", "EosTokenCriteria") for c in criteria)
         length = prompt
         while True:
-            scores = processors(sequences[:, :length], logits[:, -1].to(torch.float32))
-            if gc.do_sample:
-                nxt = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+            if gc.do_sample or processors:
+                scores = logits.to(torch.float32)
+                if processors:
+                    scores = processors(sequences[:, :length], scores)
+                nxt = (torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1) if gc.do_sample
+                       else scores.argmax(-1))
             else:
-                nxt = scores.argmax(-1)
-            if pad is not None:
+                nxt, scores = best, logits  # the step's own argmax (an eager one costs ~0.1 ms at 49k)
+            if eos is not None:
                 nxt = torch.where(unfinished, nxt, pad)
             sequences[:, length] = nxt
             length += 1
             if streamer is not None:
                 streamer.put(nxt.cpu())
-            unfinished &= ~criteria(sequences[:, :length], scores)
-            if length >= total or not bool(unfinished.any()):
+            if not own_stop:
+                unfinished &= ~criteria(sequences[:, :length], scores)
+            elif eos is not None:
+                unfinished &= ~torch.isin(nxt, eos)
+            if length >= total or (eos is not None or not own_stop) and not bool(unfinished.any()):
                 break
-            token.copy_(nxt[:, None])
-            position += 1
-            if mask.dim() == 4:
-                mask[..., length - 1] = True  # the slot the fed token is written to
-            logits = self._step(step, length - prompt, token, mask, position, cache)
+            inputs["input_ids"].copy_(nxt[:, None])
+            inputs["position_ids"] += 1
+            if inputs["attention_mask"].dim() == 4:
+                inputs["attention_mask"][..., length - 1] = True  # the slot the fed token is written to
+            logits, best = self._step(step, length - prompt, inputs, unguarded)
         if streamer is not None:
             streamer.end()
         return sequences[:, :length]
+
+    def _compiled_step(self, gc):
+        """`decode_step` compiled as generate() would compile the model (its compile_config), or eager."""
+        if gc.disable_compile or gc.compile_config is None:
+            return decode_step
+        key = repr(gc.compile_config.to_dict())
+        if key not in self._steps:
+            self._steps[key] = torch.compile(decode_step, **gc.compile_config.to_dict())
+        return self._steps[key]
+
+    def _step(self, step, index: int, inputs: dict, unguarded: "_Unguarded"):
+        """One decode step. The first _GUARDED_STEPS of a call run Dynamo's full guards; if they compiled
+        nothing, later ones run only the guards that tell compiled entries apart."""
+        from torch._dynamo import convert_frame
+
+        if index <= _GUARDED_STEPS:
+            before = sum(convert_frame.FRAME_COMPILE_COUNTER.values())
+            out = step(self.model, **inputs)
+            compiled = sum(convert_frame.FRAME_COMPILE_COUNTER.values()) != before
+            self._skip_guards = (index == 1 or self._skip_guards) and not compiled
+            return out
+        if self._skip_guards:
+            with unguarded:
+                return step(self.model, **inputs)
+        return step(self.model, **inputs)
 
     def _decode_mask(self, ids, attention_mask):
         """The mask handed to every decode step, updated in place. With fastflow attention: the
@@ -198,20 +263,3 @@ class DecodeLoop:
         mask = padding.bool()[:, None, None, :].clone()
         mask[..., prompt:] = False
         return mask
-
-    def _step(self, step, index: int, token, mask, position, cache):
-        """One compiled decode step; after the guarded ones, Dynamo checks only what tells entries apart."""
-        from torch._dynamo import convert_frame
-
-        kwargs = dict(input_ids=token, attention_mask=mask, position_ids=position, cache=cache, use_cache=True,
-                      **self._keep)
-        if index <= _GUARDED_STEPS:
-            before = sum(convert_frame.FRAME_COMPILE_COUNTER.values())
-            logits = step(**kwargs).logits
-            compiled = sum(convert_frame.FRAME_COMPILE_COUNTER.values()) != before
-            self._skip_guards = (index == 1 or self._skip_guards) and not compiled
-            return logits
-        if self._skip_guards:
-            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
-                return step(**kwargs).logits
-        return step(**kwargs).logits

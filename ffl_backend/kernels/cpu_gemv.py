@@ -40,9 +40,10 @@ from torch import Tensor
 
 logger = logging.getLogger(__name__)
 
-# One library, fastflow_cpu: the GEMVs, and decode attention (cpu_attention.cpp, the reference is
-# attention/reference.py); cpu_kernels.h is what the sources share.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp"))
+# One library, fastflow_cpu: the GEMVs, decode attention (cpu_attention.cpp, the reference is
+# attention/reference.py) and the greedy token's argmax (cpu_argmax.cpp); cpu_kernels.h is what the
+# sources share.
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_argmax.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 OP_NAMESPACE = "fastflow_cpu"
 WEIGHT_DTYPES = (torch.int8, torch.bfloat16)
@@ -207,6 +208,7 @@ def _try_load() -> bool:
         torch.library.register_fake(f"{OP_NAMESPACE}::gemv")(_fake_gemv)
         torch.library.register_fake(f"{OP_NAMESPACE}::int4_gemv")(_fake_int4_gemv)
         torch.library.register_fake(f"{OP_NAMESPACE}::decode_attention")(_fake_decode_attention)
+        torch.library.register_fake(f"{OP_NAMESPACE}::argmax")(_fake_argmax)
         return True
     except Exception as exc:  # no compiler, no headers, a link error: keep the (correct) Inductor loop
         _state["error"] = str(exc)
@@ -231,6 +233,10 @@ def _fake_decode_attention(q: Tensor, k_cache, v_cache, filled, scale, window, m
     # (B, Lq, Hq, D) memory seen as (B, Hq, Lq, D), as the kernel returns it
     b, hq, lq, d = q.shape
     return q.new_empty((b, lq, hq, d)).transpose(1, 2)
+
+
+def _fake_argmax(x: Tensor) -> Tensor:
+    return x.new_empty(x.shape[:-1], dtype=torch.long)
 
 
 @contextlib.contextmanager
