@@ -67,7 +67,8 @@ def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
     compile_id, recompile, guard = _recompile_info()
     report = GraphReport(graph_id=next_graph_id(), device=device, dtype=dtype,
                          num_nodes_before=len(gm.graph.nodes), compile_id=compile_id,
-                         recompile=recompile, guard_failure=guard)
+                         recompile=recompile, guard_failure=guard, mode=opts.mode,
+                         inductor_config=opts.inductor_patches(device) if opts.inductor else {})
     start = time.perf_counter()
     gm = run_passes(gm, example_inputs, report, opts)
     report.ops = fastflow_op_counts(gm)
@@ -78,7 +79,7 @@ def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
 
         from .cache_key import cache_config
 
-        compiled = compile_fx(gm, example_inputs, config_patches=cache_config(opts.inductor_patches(device)))
+        compiled = compile_fx(gm, example_inputs, config_patches=cache_config(report.inductor_config))
     else:
         compiled = gm.forward
     report.compile_seconds = time.perf_counter() - start

@@ -28,6 +28,8 @@ class GraphReport:
     compile_id: Dynamo's "frame/compile-of-that-frame" id
     recompile:  True when Dynamo compiled this graph again for a code object it had already seen
     guard_failure: the guard that failed for that recompile, when Dynamo reported one
+    mode:       the torch.compile mode it was compiled under (None = default)
+    inductor_config: the Inductor settings fastflow compiled it with (defaults, the mode's, the user's)
     """
 
     graph_id: int
@@ -45,10 +47,13 @@ class GraphReport:
     compile_id: str | None = None
     recompile: bool = False
     guard_failure: str | None = None
+    mode: str | None = None
+    inductor_config: dict = dataclasses.field(default_factory=dict)
 
     def summary(self) -> str:
         matched = ", ".join(f"{k}={v}" for k, v in sorted(self.matches.items()) if v) or "none"
-        text = (f"fastflow graph {self.graph_id} ({self.device}, {self.dtype}): {matched}; "
+        mode = f", mode={self.mode}" if self.mode else ""
+        text = (f"fastflow graph {self.graph_id} ({self.device}, {self.dtype}{mode}): {matched}; "
                 f"nodes {self.num_nodes_before}->{self.num_nodes_after}; {self.compile_seconds:.1f}s")
         if self.fallbacks:
             text += f"; FELL BACK: {self.fallbacks}"
