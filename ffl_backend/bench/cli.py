@@ -1,6 +1,7 @@
-"""`ffl-bench` (also `python -m ffl_backend.bench`): decode benchmark of eager, Inductor and fastflow.
+"""`ffl-bench` (also `python -m ffl_backend.bench`): decode benchmark of eager, Inductor and fastflow
+(and llama.cpp on the same weights, with --backends ... llamacpp).
 
-    ffl-bench [--model DIR] [--backends eager inductor fastflow] [--dtypes float32 bfloat16]
+    ffl-bench [--model DIR] [--backends eager inductor fastflow llamacpp] [--dtypes float32 bfloat16]
               [--quant none int8 ...] [--batch-sizes 1 ...] [--prompt-lens 16 ...] [--new-tokens 64]
               [--warmup 1] [--repeats 3] [--schedule interleaved|sequential] [--out PREFIX]
 
@@ -15,7 +16,7 @@ import os
 import shlex
 import sys
 
-from .grid import BACKENDS, DTYPES, QUANTS, SCHEDULES
+from .grid import BACKENDS, DEFAULT_BACKENDS, DTYPES, QUANTS, SCHEDULES
 
 PROG = "ffl-bench"
 
@@ -44,9 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Decode benchmark: each configuration in its own process, outputs "
                 "checked against eager before speeds are reported.")
     p.add_argument("--model", help="Hugging Face model folder (default: the bundled SmolLM2-135M, built on first use)")
-    p.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS,
+    p.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS), choices=BACKENDS,
                    help="eager = HF static cache uncompiled; inductor = static cache + torch.compile; "
-                        "fastflow = static cache + this project's backend")
+                        "fastflow = static cache + this project's backend; llamacpp = llama.cpp (llama-cpp-python) "
+                        "on a GGUF file written from the same weights: F16, Q8_0 for int8/int8-all, Q4_0 for "
+                        "int4/int4-all (not run unless named)")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES + ("float16",))
     p.add_argument("--quant", nargs="+", default=["none"], choices=QUANTS,
                    help="weight quantization schemes (ffl_backend.quantize); float32 x scheme is skipped")
@@ -55,7 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--new-tokens", type=_positive, default=64, help="tokens generated per row")
     p.add_argument("--warmup", type=_positive, default=1, help="untimed generates first (the first compiles)")
     p.add_argument("--repeats", type=_positive, default=3, help="timed generates; the median is reported")
-    p.add_argument("--threads", type=_positive, help="torch threads per worker (default: torch's)")
+    p.add_argument("--threads", type=_positive,
+                   help="torch (and llama.cpp) threads per worker (default: torch's default count)")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto = cuda if available")
     p.add_argument("--text", help="text file the prompt is cut from (default: a fixed sentence, repeated)")
     p.add_argument("--out", default="ffl-bench-results/bench", help="output prefix for .json .csv .png .md")

@@ -27,8 +27,10 @@ import tempfile
 import time
 
 from ..quant.config import PRESETS, SCHEMES
+from . import llamacpp
 
-BACKENDS = ("eager", "inductor", "fastflow")
+BACKENDS = ("eager", "inductor", "fastflow", "llamacpp")
+DEFAULT_BACKENDS = BACKENDS[:3]  # llamacpp needs llama-cpp-python, an optional build: asked for by name
 DTYPES = ("float32", "bfloat16")
 QUANTS = ("none", *SCHEMES, *PRESETS)  # "none": the model as loaded
 SCHEDULES = ("interleaved", "sequential")
@@ -39,7 +41,10 @@ def skip_reason(cfg: dict) -> str | None:
 
     Quantized linears take their scales in the activation dtype and are built for bf16/fp16
     activations; with fp32 activations they are 3-5x slower than fp32 F.linear (measured on the
-    project's 2-core AVX-512 CPU), so an fp32 x scheme row would time a configuration nobody should use."""
+    project's 2-core AVX-512 CPU), so an fp32 x scheme row would time a configuration nobody should use.
+    llama.cpp rows have reasons of their own (llamacpp.skip_reason)."""
+    if cfg["backend"] == "llamacpp":
+        return llamacpp.skip_reason(cfg)
     if cfg["quant"] != "none" and cfg["dtype"] == "float32":
         return "quantized schemes run on bfloat16/float16 models only"
     return None
@@ -62,8 +67,12 @@ def configurations(model, backends, dtypes, quants, batches, prompt_lens, **comm
 
 
 def label(cfg: dict) -> str:
+    """e.g. "bfloat16 int8 fastflow b1 p16"; a llama.cpp row names the GGUF type it runs."""
     quant = "" if cfg["quant"] == "none" else f" {cfg['quant']}"
-    return f"{cfg['dtype']}{quant} {cfg['backend']} b{cfg['batch']} p{cfg['prompt_len']}"
+    backend = cfg["backend"]
+    if backend == "llamacpp" and llamacpp.gguf_type(cfg):
+        backend += f"({llamacpp.gguf_type(cfg)})"
+    return f"{cfg['dtype']}{quant} {backend} b{cfg['batch']} p{cfg['prompt_len']}"
 
 
 def worker_env(cache_dir: str) -> dict:
@@ -105,7 +114,7 @@ def _with_warm_compile(cfg: dict, measured: dict, cache_dir: str, warm_compile: 
     """The result row of a measured configuration, with compile_warm_s from a second process on its
     (now warm) cache folder."""
     res = {**cfg, **measured, "compile_warm_s": None}
-    if warm_compile and cfg["backend"] != "eager" and "error" not in res:
+    if warm_compile and cfg["backend"] not in ("eager", "llamacpp") and "error" not in res:
         warm = _worker({**cfg, "mode": "warm"}, cache_dir)
         if "error" in warm:
             res["error"] = "warm run: " + warm["error"]
@@ -245,8 +254,8 @@ class Progress:
         self.stream.flush()
 
 
-def run_grid(model, backends=BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=128, repeats=3, text=None,
-             options=None, log=print, *, quants=("none",), batches=(1,), warmup=1, warm_compile=True,
+def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=128, repeats=3,
+             text=None, options=None, log=print, *, quants=("none",), batches=(1,), warmup=1, warm_compile=True,
              device="cpu", threads=None, progress=True, schedule="interleaved") -> dict:
     """Run every configuration of the grid, each in its own process; `prompt_len` is one length or
     several. `schedule`: "interleaved" (all processes alive, timed round robin) or "sequential" (one
@@ -260,8 +269,14 @@ def run_grid(model, backends=BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=
                 "threads": threads}
     todo, skipped = configurations(model, backends, dtypes, quants, batches, prompt_lens, options=options,
                                    **settings)
+    by_reason: dict[str, list] = {}
     for cfg in skipped:
-        log(f"  skipped {label(cfg)}: {cfg['reason']}")
+        by_reason.setdefault(cfg["reason"], []).append(label(cfg))
+    for reason, names in by_reason.items():  # one line per reason: a missing llama_cpp skips many rows
+        log(f"  skipped {', '.join(names)}: {reason}")
+    llama_cfgs = [cfg for cfg in todo if cfg["backend"] == "llamacpp"]
+    if llama_cfgs:
+        llamacpp.prepare(llama_cfgs, log)
     settings["schedule"] = schedule = choose_schedule(schedule, todo, log)
     bar = Progress(len(todo)) if progress else None
     results = (run_interleaved(todo, repeats, warm_compile, bar) if schedule == "interleaved"
@@ -271,5 +286,6 @@ def run_grid(model, backends=BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=
                                       else f"ERROR {res['error']}"))
     agreement(results)
     speedups(results, paired=schedule == "interleaved")
-    return {"environment": environment(), "bandwidth": machine_bandwidth(device),
+    env = {**environment(), **({"llama_cpp": llamacpp.environment()} if llama_cfgs else {})}
+    return {"environment": env, "bandwidth": machine_bandwidth(device),
             "settings": {**settings, "model": str(model)}, "results": results, "skipped": skipped}

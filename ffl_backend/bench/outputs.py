@@ -11,7 +11,7 @@ from .grid import BACKENDS, label
 
 # CSV columns, in order; JSON keeps these and more (token ids, every repeat, the environment).
 CSV_COLUMNS = (
-    "backend", "dtype", "quant", "batch", "prompt_len", "new_tokens", "repeats",
+    "backend", "dtype", "quant", "gguf_type", "batch", "prompt_len", "new_tokens", "repeats",
     "load_s", "quantize_s", "compile_cold_s", "compile_warm_s",
     "ttft_s", "prefill_tok_s", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "decode_spread_pct",
     "speedup_vs_inductor", "speedup_vs_inductor_paired",
@@ -19,7 +19,7 @@ CSV_COLUMNS = (
     "weight_bytes", "effective_gbs", "ceiling_gbs", "pct_of_ceiling",
     "recompiles", "graphs_compiled_while_timed", "matching_prefix", "tokens_equal_eager", "rows_equal", "error",
 )
-BACKEND_COLORS = {"eager": "#9e9e9e", "inductor": "#1f77b4", "fastflow": "#ff7f0e"}
+BACKEND_COLORS = {"eager": "#9e9e9e", "inductor": "#1f77b4", "fastflow": "#ff7f0e", "llamacpp": "#2ca02c"}
 
 
 def _fmt(value, spec: str, none: str = "-") -> str:
@@ -83,11 +83,26 @@ def header(grid: dict) -> str:
              f"{_fmt(bw.get('cache_read_gbs'), '.1f')} GB/s in cache (32 MiB); each row's % is against a "
              f"buffer of its own weight bytes. *tokens = eager*: leading greedy tokens equal to unquantized eager of "
              f"the same dtype, batch and prompt."]
+    if "llama_cpp" in env:
+        lines.append(_llama_cpp_note(env["llama_cpp"]))
     by_reason: dict[str, list] = {}
     for s in grid.get("skipped", []):
         by_reason.setdefault(s["reason"], []).append(label(s))
     lines += [f"Skipped ({reason}): {', '.join(names)}." for reason, names in by_reason.items()]
     return "\n\n".join(line for line in lines if line)
+
+
+def _llama_cpp_note(info: dict) -> str:
+    """What the llamacpp rows ran: versions, GGUF types, settings and the build's CPU features."""
+    buffers = ("on" if info["extra_buffer_types"] else "off (ggml's AMX kernels segfault on this CPU, "
+               "ggml-org/llama.cpp#20824; weight repacking goes with them)")
+    return (f"*llamacpp* rows: llama.cpp (libllama {info['libllama']}) through llama-cpp-python "
+            f"{info['llama_cpp_python']}, on a GGUF file written by ffl_backend from the same safetensors: F16 for "
+            f"bfloat16/float16, Q8_0 (embedding included) for int8 and int8-all, Q4_0 with a Q8_0 embedding/output "
+            f"for int4 and int4-all; the type is in the row's name. Same prompt ids, greedy, KV cache cleared per "
+            f"generate; nothing compiles (compile 0); peak RSS in brackets is above llama_cpp's own import and "
+            f"counts the pages of the memory-mapped file that were read; extra buffer types {buffers}. "
+            f"Build: `{info['system_info']}`")
 
 
 def write_json(grid: dict, path: str) -> None:
@@ -131,7 +146,9 @@ def write_png(grid: dict, path: str) -> None:
         err = [[max(0.0, m - r.get("decode_tok_s_min", m)) for m, r in zip(med, rs)],
                [max(0.0, r.get("decode_tok_s_max", m) - m) for m, r in zip(med, rs)]]
         bars = top.bar(xs, med, width, yerr=err, capsize=3, label=backend, color=BACKEND_COLORS.get(backend))
-        top.bar_label(bars, fmt="%.1f", fontsize=8, padding=2)
+        # llama.cpp bars name the GGUF type they ran, as their table rows do
+        top.bar_label(bars, labels=[f"{m:.1f}" + (f"\n{r['gguf_type']}" if r.get("gguf_type") else "")
+                                    for m, r in zip(med, rs)], fontsize=8, padding=2)
         speed = [float("nan") if speedup(r) is None else speedup(r) for r in rs]
         sbars = bottom.bar(xs, speed, width, color=BACKEND_COLORS.get(backend), label=backend)
         bottom.bar_label(sbars, labels=[_fmt(s, ".2f", "") + ("x" if not math.isnan(s) else "") for s in speed],

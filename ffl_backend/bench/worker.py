@@ -108,13 +108,26 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-def current_rss_mb() -> float | None:
-    """This process's resident set now (Linux /proc), or None where it cannot be read."""
+def _status_mb(key: str) -> float | None:
+    """A kB figure of /proc/self/status (Linux) in MB, or None where it cannot be read."""
     try:
         with open("/proc/self/status") as fh:
-            return round(next(int(line.split()[1]) / 1024 for line in fh if line.startswith("VmRSS:")), 1)
+            return round(next(int(line.split()[1]) / 1024 for line in fh if line.startswith(key)), 1)
     except (OSError, StopIteration):
         return None
+
+
+def current_rss_mb() -> float | None:
+    """This process's resident set now, or None where it cannot be read."""
+    return _status_mb("VmRSS:")
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set: VmHWM, which belongs to this program alone. ru_maxrss is only
+    the fallback: Linux starts it at the spawning parent's RSS (the high-water mark of the forked copy
+    carries over exec), so a worker smaller than the ffl-bench process, as llama.cpp's are, would
+    report the parent's size."""
+    return _status_mb("VmHWM:") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def import_runtime(cfg: dict) -> float | None:
@@ -173,12 +186,17 @@ class Session:
         # Cache exactly as long as the request: its shape is part of the compiled decode graph.
         configure_generate(self.model, backend=backend, options=cfg.get("options"),
                            max_cache_len=cfg["prompt_len"] + cfg["new_tokens"])
+        self.warm_up(load_s=load_s, quantize_s=quantize_s)
+        self.graphs_before = _graphs()
+
+    def warm_up(self, **setup) -> None:
+        """The first generate (it compiles), then the rest of the warm-up; `setup`: load times."""
         self.first = self.generate()
-        self.setup = {"load_s": load_s, "quantize_s": quantize_s, "first_generate_s": self.first["generate_s"]}
-        if cfg.get("mode") != "warm":
-            for _ in range(cfg.get("warmup", 1) - 1):  # the first generate above is warm-up number one
+        self.setup = {**setup, "first_generate_s": self.first["generate_s"]}
+        if self.cfg.get("mode") != "warm":
+            for _ in range(self.cfg.get("warmup", 1) - 1):  # the first generate above is warm-up number one
                 self.generate()
-        self.graphs_before, self.runs = _graphs(), []
+        self.runs = []
 
     def generate(self) -> dict:
         return time_generate(self.model, self.ids, self.cfg["new_tokens"])
@@ -190,12 +208,31 @@ class Session:
         return run
 
     def summary(self) -> dict:
-        out = {**self.setup, **_summarize(self.model, self.cfg, self.first, self.runs, self.graphs_before)}
+        out = {**self.setup, **self.measure()}
         out["runtime_rss_mb"] = self.runtime_rss_mb
         # What loading, quantizing, compiling and running this model added to the process's peak.
         out["model_peak_rss_mb"] = (out["peak_rss_mb"] - self.runtime_rss_mb
                                     if self.runtime_rss_mb is not None else None)
         return out
+
+    def measure(self) -> dict:
+        """The figures of the timed generates, with Dynamo's counts and the CUDA peak."""
+        import torch
+
+        cuda = self.cfg.get("device", "cpu").startswith("cuda")
+        return summarize_runs(self.cfg, self.first, self.runs, weight_bytes(self.model),
+                              recompiles=_frames_recompiled(),
+                              graphs_compiled_while_timed=_graphs() - self.graphs_before,
+                              cuda_peak_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else None)
+
+
+def open_session(cfg: dict) -> Session:
+    """The session for `cfg`'s backend: llama.cpp rows have their own (llamacpp.py)."""
+    if cfg["backend"] == "llamacpp":
+        from .llamacpp import LlamaCppSession
+
+        return LlamaCppSession(cfg)
+    return Session(cfg)
 
 
 def run_one(cfg: dict) -> dict:
@@ -203,7 +240,7 @@ def run_one(cfg: dict) -> dict:
 
     mode "warm" stops after the first generate: it is the second process of a configuration, run to
     time compilation when Inductor's on-disk caches (FX graph, AOT and C++/Triton code) are warm."""
-    session = Session(cfg)
+    session = open_session(cfg)
     if cfg.get("mode") == "warm":
         return session.setup
     for _ in range(cfg["repeats"]):
@@ -221,7 +258,7 @@ def serve(cfg: dict, requests=None, replies=None) -> None:
         replies.write(json.dumps(obj) + "\n")
         replies.flush()
 
-    session = Session(cfg)
+    session = open_session(cfg)
     reply({"ready": True})
     for line in requests:
         if line.strip() == "time":
@@ -233,15 +270,14 @@ def serve(cfg: dict, requests=None, replies=None) -> None:
             reply({"error": f"unknown request {line.strip()!r}"})
 
 
-def _summarize(model, cfg: dict, first: dict, runs: list[dict], graphs_before: int) -> dict:
-    import torch
-
+def summarize_runs(cfg: dict, first: dict, runs: list[dict], nbytes: int, **counters) -> dict:
+    """What every backend reports of its first and timed generates, given the bytes of weights one
+    decode step reads; `counters` are the backend's own (recompiles, graphs, CUDA peak)."""
     from .bandwidth import read_gbs
 
     rates = [r["decode_tok_s"] for r in runs]
     ttft = statistics.median(r["ttft_s"] for r in runs)
     median_generate = statistics.median(r["generate_s"] for r in runs)
-    nbytes = weight_bytes(model)
     res = {
         # First generate minus a steady one: what compiling (or eager warm-up) added.
         "compile_cold_s": max(0.0, first["generate_s"] - median_generate),
@@ -250,11 +286,9 @@ def _summarize(model, cfg: dict, first: dict, runs: list[dict], graphs_before: i
         "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates,
         "decode_tok_s_min": min(rates), "decode_tok_s_max": max(rates),
         "decode_spread_pct": 100 * (max(rates) - min(rates)) / statistics.median(rates),
-        "recompiles": _frames_recompiled(), "graphs_compiled_while_timed": _graphs() - graphs_before,
+        **counters,
         # Read before the bandwidth probe below allocates its own buffer.
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-        "cuda_peak_mb": (torch.cuda.max_memory_allocated() / 2**20
-                         if cfg.get("device", "cpu").startswith("cuda") else None),
+        "peak_rss_mb": peak_rss_mb(),
         "tokens": first["tokens"], "rows_equal": all(r["rows_equal"] for r in [first, *runs]),
         "deterministic": all(r["tokens"] == first["tokens"] for r in runs),
         "weight_bytes": nbytes,

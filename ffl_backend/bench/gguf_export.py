@@ -1,0 +1,244 @@
+"""A GGUF file llama.cpp can run, written from a Hugging Face LLaMA folder, for ffl-bench's llamacpp rows.
+
+The llama.cpp rows must time the very weights the torch rows load, so the file is written here from
+the folder's safetensors rather than taken from elsewhere. Written with the `gguf` package
+(gguf.GGUFWriter, gguf.quants); names, metadata keys and the Q/K row order follow what llama.cpp's
+`llama` architecture reads (src/llama-model.cpp, src/llama-vocab.cpp).
+
+Types (GGUF_TYPES): norms are always F32, as llama.cpp keeps them.
+    F16   every matrix F16 (bfloat16/float16 rows; bf16 -> f16 rounds no SmolLM2-135M weight, checked).
+    Q8_0  every matrix Q8_0, the token embedding included (what llama.cpp's own q8_0 export does).
+    Q4_0  the linears Q4_0; the token embedding and output head Q8_0. llama-quantize gives the output
+          head (the tied embedding, for SmolLM2) Q6_K, or Q8_0 where rows are not a multiple of 256
+          (576 in SmolLM2, so Q8_0 there), and an untied embedding Q4_0; Q8_0 for both matches our
+          int4-all preset (int4 linears, int8 embedding and lm_head), the row it is compared with.
+          For SmolLM2 the file is byte for byte what llama.cpp's own quantizer (llama_model_quantize)
+          makes of our F16 file.
+A matrix whose rows are not a multiple of the 32-value block is written F16 (llama-quantize refuses it).
+
+Files are cached under $FFL_CACHE_DIR/gguf/ (models.DEFAULT_CACHE), keyed by the folder's config,
+the sizes and mtimes of its weight and tokenizer files, the type and EXPORT_VERSION.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+GGUF_TYPES = ("F16", "Q8_0", "Q4_0")
+EXPORT_VERSION = 1  # part of the cache key: bump when what is written changes
+BLOCK = 32  # values per Q8_0/Q4_0 block
+
+# Hugging Face LLaMA parameter names -> llama.cpp's ("{i}": the layer).
+_LAYER_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+          "lm_head.weight": "output.weight",
+          **{f"model.layers.{{i}}.{hf}.weight": f"blk.{{i}}.{ours}.weight" for hf, ours in _LAYER_NAMES.items()}}
+
+
+def unsupported(folder: str | os.PathLike) -> str | None:
+    """Why the folder cannot be written as a llama.cpp `llama` model, or None. Read from the raw
+    config.json and tokenizer.json, so the grid can skip such rows before loading anything."""
+    folder = Path(folder)
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") != "llama":
+        return f"GGUF export supports model_type 'llama' only, not {config.get('model_type')!r}"
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        return "GGUF export does not write LLaMA bias tensors"
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        return f"GGUF export supports plain RoPE only, not rope_type {rope.get('rope_type', rope.get('type'))!r}"
+    tokenizer = folder / "tokenizer.json"
+    if not tokenizer.exists() or json.loads(tokenizer.read_text())["model"]["type"] != "BPE":
+        return "GGUF export needs a BPE tokenizer.json (llama.cpp's gpt2 vocabulary)"
+    return None
+
+
+def cached_path(folder: str | os.PathLike, gguf_type: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the file for `folder` in `gguf_type` is cached; a change to the folder's config, weights or
+    tokenizer (size or mtime) gives a new name, so a stale file is never reused."""
+    from ..models import DEFAULT_CACHE
+
+    folder = Path(folder)
+    files = sorted(p for p in folder.iterdir() if p.suffix == ".safetensors" or p.name == "tokenizer.json")
+    key = json.dumps({"config": (folder / "config.json").read_text(), "type": gguf_type, "version": EXPORT_VERSION,
+                      "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]})
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return Path(cache_dir or DEFAULT_CACHE) / "gguf" / f"{folder.name}-{gguf_type}-{digest}.gguf"
+
+
+def export(folder: str | os.PathLike, gguf_type: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The cached GGUF file of `folder` in `gguf_type`, written first if missing."""
+    path = cached_path(folder, gguf_type, cache_dir)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # a crash never leaves a half file under the name
+        try:
+            write_gguf(folder, gguf_type, tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return path
+
+
+def write_gguf(folder: str | os.PathLike, gguf_type: str, path: str | os.PathLike) -> None:
+    """Write `folder` (a Hugging Face LLaMA folder) as a GGUF file of `gguf_type` at `path`."""
+    import gguf
+    from transformers import AutoConfig
+
+    if gguf_type not in GGUF_TYPES:
+        raise ValueError(f"gguf_type must be one of {GGUF_TYPES}, got {gguf_type!r}")
+    reason = unsupported(folder)
+    if reason:
+        raise ValueError(f"{folder}: {reason}")
+    config = AutoConfig.from_pretrained(folder)  # transformers' defaults, as the torch rows see them
+    writer = gguf.GGUFWriter(os.fspath(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    _add_hparams(writer, config, Path(folder).name, gguf_type)
+    _add_vocab(writer, Path(folder), config)
+    for name, array in _tensors(Path(folder), config):
+        data, qtype = _encode(name, array, gguf_type)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _add_hparams(writer, config, name: str, gguf_type: str) -> None:
+    import gguf
+
+    heads = config.num_attention_heads
+    writer.add_name(name)
+    writer.add_file_type({"F16": gguf.LlamaFileType.MOSTLY_F16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+                          "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[gguf_type])
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    writer.add_rope_dimension_count(config.head_dim)
+    if config.head_dim != config.hidden_size // heads:  # llama.cpp assumes hidden / heads otherwise
+        writer.add_key_length(config.head_dim)
+        writer.add_value_length(config.head_dim)
+
+
+def _add_vocab(writer, folder: Path, config) -> None:
+    """A gpt2 (byte-level BPE) vocabulary: llama.cpp refuses a file without one. ffl-bench feeds token
+    ids itself, so it only has to load and agree with the HF tokenizer; ids the tokenizer does not
+    use (the embedding is often padded past it) become unused placeholder tokens."""
+    import gguf
+
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    tokens = {i: (text, gguf.TokenType.NORMAL) for text, i in spec["model"]["vocab"].items()}
+    for added in spec.get("added_tokens", []):
+        tokens[added["id"]] = (added["content"], gguf.TokenType.CONTROL if added["special"]
+                               else gguf.TokenType.USER_DEFINED)
+    if max(tokens) >= config.vocab_size:
+        raise ValueError(f"tokenizer ids reach {max(tokens)}, past the model's vocab_size {config.vocab_size}")
+    texts, types = zip(*(tokens.get(i, (f"[PAD{i}]", gguf.TokenType.UNUSED)) for i in range(config.vocab_size)))
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(_pre_tokenizer(spec))
+    writer.add_token_list(list(texts))
+    writer.add_token_types(list(types))
+    # Newer tokenizer.json files store a merge as a pair, older ones as "a b"; GGUF wants "a b".
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                     ("pad_token_id", writer.add_pad_token_id)):
+        value = getattr(config, key, None)
+        value = value[0] if isinstance(value, list) else value
+        if isinstance(value, int):
+            add(value)
+
+
+def _pre_tokenizer(spec: dict) -> str:
+    """llama.cpp's name for the tokenizer's pre-split: GPT-2's regex for a plain byte-level one, else
+    llama.cpp's default (it only matters to llama.cpp's own tokenizer, which ffl-bench does not use)."""
+    pre = spec.get("pre_tokenizer") or {}
+    return "gpt-2" if pre.get("type") == "ByteLevel" and pre.get("use_regex", True) else "default"
+
+
+def _tensors(folder: Path, config):
+    """(llama.cpp name, float32 array) of every weight, Q and K rows reordered for llama.cpp's RoPE;
+    the output head is left out when tied to the embedding (llama.cpp then reads token_embd)."""
+    from safetensors import safe_open
+
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors weights in {folder}")
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    for file in files:
+        with safe_open(file, framework="pt") as fh:
+            for hf_name in fh.keys():
+                name = gguf_name(hf_name)
+                if name is None:
+                    raise ValueError(f"{file.name}: no llama.cpp name for tensor {hf_name!r}")
+                if name == "output.weight" and config.tie_word_embeddings:
+                    continue
+                array = fh.get_tensor(hf_name).float().numpy()
+                kind = name.split(".")[-2]
+                if kind in heads:
+                    array = array[rotary_row_order(heads[kind], config.head_dim)]
+                yield name, array
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """llama.cpp's name for a Hugging Face LLaMA parameter, or None for one it has no place for."""
+    parts = hf_name.split(".")
+    if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
+        template = ".".join(parts[:2] + ["{i}"] + parts[3:])
+        return _NAMES[template].format(i=parts[2]) if template in _NAMES else None
+    return _NAMES.get(hf_name)
+
+
+def rotary_row_order(n_heads: int, head_dim: int):
+    """Row indices that turn HF's Q/K layout into llama.cpp's.
+
+    HF rotates dimension i of a head with dimension i + head_dim/2 (rotate_half); llama.cpp's `llama`
+    architecture rotates adjacent pairs (2i, 2i+1). So new row 2i of each head is old row i, and new
+    row 2i+1 is old row i + head_dim/2."""
+    import numpy as np
+
+    j = np.arange(head_dim)
+    within = j // 2 + (j % 2) * (head_dim // 2)
+    return (np.arange(n_heads)[:, None] * head_dim + within).reshape(-1)
+
+
+def tensor_type(name: str, shape: tuple, gguf_type: str) -> str:
+    """The GGML type `name` is stored in, in a file of `gguf_type` (see the module docstring)."""
+    if len(shape) == 1:
+        return "F32"
+    wanted = "Q8_0" if gguf_type == "Q4_0" and name in ("token_embd.weight", "output.weight") else gguf_type
+    return wanted if wanted == "F16" or shape[-1] % BLOCK == 0 else "F16"
+
+
+def _encode(name: str, array, gguf_type: str):
+    """(data, GGML type) for GGUFWriter.add_tensor: quantized types as bytes, others as numbers."""
+    import gguf
+    import numpy as np
+
+    qtype = gguf.GGMLQuantizationType[tensor_type(name, array.shape, gguf_type)]
+    if qtype == gguf.GGMLQuantizationType.F32:
+        return array.astype(np.float32), None
+    if qtype == gguf.GGMLQuantizationType.F16:
+        return array.astype(np.float16), None
+    return gguf.quants.quantize(array, qtype), qtype
+
+
+def weight_bytes(path: str | os.PathLike) -> int:
+    """Bytes of tensor data one decode step reads: every tensor but the token embedding, which is
+    only looked up -- unless it is also the output head (no output.weight), which reads all of it."""
+    import gguf
+
+    tensors = gguf.GGUFReader(path).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
