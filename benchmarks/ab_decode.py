@@ -13,8 +13,10 @@ medians.
     python benchmarks/ab_decode.py ... --dtype float32 --rounds 7 --out benchmarks/results/fp_contract_ab_cpu.json   (appends a row)
     python benchmarks/ab_decode.py --variants '[{"name": "inductor fp32", "backend": "inductor", "dtype": "float32"},
         {"name": "fastflow int8", "quant": "int8"}, {"name": "optimize int8", "quant": "int8", "entry": "optimize"}]'
-        (defaults: backend fastflow, --dtype, --quant, options {}, entry "generate" = configure_generate over a
-        cache of 16 + new tokens; "optimize" = ffl_backend.optimize(model, mode=..., **options); mode None)
+        (defaults: backend fastflow, --dtype, --quant, options {}, mode None, entry "generate" =
+        configure_generate, i.e. a CompileConfig over a static cache of prompt + new tokens; "optimize" =
+        ffl_backend.optimize(model, **options) with its defaults (mode "reduce-overhead" unless given);
+        "model.compile" = model.compile(backend=..., mode=...) in place over the same static cache)
 
 --a/--b are fastflow options of two variants that share --dtype and --quant.
 """
@@ -23,7 +25,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from pathlib import Path
 
+# Long prompts are cut from the bundled text (../shared/MODELS.md), not a repeated sentence.
+_TEXT = str(Path(__file__).resolve().parents[2] / "shared" / "data" / "prideprejudice.txt")
 SETUP_KEYS = ("name", "backend", "dtype", "quant", "options", "entry", "mode")
 
 
@@ -36,7 +41,7 @@ def _variant(spec: dict, dtype: str, quant: str) -> dict:
     return v
 
 
-def _prepare(v: dict, new_tokens: int):
+def _prepare(v: dict, new_tokens: int, prompt_len: int = 16):
     import ffl_backend
     from ffl_backend.bench.worker import load_model, prompt_ids, time_generate
     from ffl_backend.generation import configure_generate
@@ -45,17 +50,20 @@ def _prepare(v: dict, new_tokens: int):
     model, tok, _, _ = load_model({"model": str(smollm2_path()), "dtype": v["dtype"], "quant": v["quant"]})
     backend = None if v["backend"] == "eager" else v["backend"]
     if v["entry"] == "optimize":  # what users are told to call: ffl_backend.optimize's defaults
-        ffl_backend.optimize(model, mode=v["mode"], **v["options"])
-    else:
-        configure_generate(model, backend=backend, options=v["options"] or None, max_cache_len=16 + new_tokens,
-                           mode=v["mode"])
-    ids = prompt_ids(tok, 16)
+        ffl_backend.optimize(model, **({"mode": v["mode"]} if v["mode"] else {}), **v["options"])
+    elif v["entry"] == "model.compile":  # compiled in place (prefill too), static cache
+        configure_generate(model, backend=None, max_cache_len=prompt_len + new_tokens)
+        model.compile(backend=backend, mode=v["mode"], **({"options": v["options"]} if v["options"] else {}))
+    else:  # "generate": a CompileConfig for transformers' generate() (configure_generate)
+        configure_generate(model, backend=backend, options=v["options"] or None,
+                           max_cache_len=prompt_len + new_tokens, mode=v["mode"])
+    ids = prompt_ids(tok, prompt_len, _TEXT if prompt_len > 64 else None)
     for _ in range(2):  # compile, then one warm run
         time_generate(model, ids, new_tokens)
     return model, ids
 
 
-def compare(variants: list, rounds: int, new_tokens: int) -> dict:
+def compare(variants: list, rounds: int, new_tokens: int, prompt_len: int = 16) -> dict:
     """Decode tok/s of each variant (dicts with SETUP_KEYS), timed in alternation, and each one's
     ratio to the first."""
     from ffl_backend.bench.worker import time_generate
@@ -63,7 +71,7 @@ def compare(variants: list, rounds: int, new_tokens: int) -> dict:
     names = [v["name"] for v in variants]
     if len(set(names)) != len(names):
         raise ValueError(f"variant names must differ: {names}")
-    prepared = {v["name"]: _prepare(v, new_tokens) for v in variants}
+    prepared = {v["name"]: _prepare(v, new_tokens, prompt_len) for v in variants}
     rates, tokens = {n: [] for n in names}, {}
     for _ in range(rounds):
         for name, (model, ids) in prepared.items():
@@ -71,7 +79,7 @@ def compare(variants: list, rounds: int, new_tokens: int) -> dict:
             rates[name].append(timing["decode_tok_s"])
             tokens[name] = timing["tokens"]
     base = names[0]
-    row = {"variants": variants, "rounds": rounds,
+    row = {"variants": variants, "rounds": rounds, "prompt_len": prompt_len, "new_tokens": new_tokens,
            "decode_tok_s": {n: {"median": round(statistics.median(r), 1), "min": round(min(r), 1),
                                 "max": round(max(r), 1), "all": [round(x, 1) for x in r]} for n, r in rates.items()},
            "vs_first": {}}
@@ -95,6 +103,7 @@ def main(argv=None) -> None:
                                       "replaces --a/--b")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=16, help="prompt tokens (real text beyond 64)")
     p.add_argument("--out", help="JSON file to append this row to")
     args = p.parse_args(argv)
     from ffl_backend.bench.grid import report_row
@@ -102,7 +111,7 @@ def main(argv=None) -> None:
     specs = (json.loads(args.variants) if args.variants else
              [{"name": "a", "options": json.loads(args.a)}, {"name": "b", "options": json.loads(args.b)}])
     variants = [_variant(s, args.dtype, args.quant) for s in specs]
-    report_row(compare(variants, args.rounds, args.new_tokens), args.out)
+    report_row(compare(variants, args.rounds, args.new_tokens, args.prompt_len), args.out)
 
 
 if __name__ == "__main__":

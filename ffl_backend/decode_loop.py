@@ -237,6 +237,8 @@ class DecodeLoop:
         nothing, later ones run only the guards that tell compiled entries apart."""
         from torch._dynamo import convert_frame
 
+        if inputs["input_ids"].is_cuda:  # CUDA graphs: the previous step's outputs are consumed
+            torch.compiler.cudagraph_mark_step_begin()
         if index <= _GUARDED_STEPS:
             before = sum(convert_frame.FRAME_COMPILE_COUNTER.values())
             out = step(self.model, **inputs)
