@@ -8,7 +8,8 @@ What it sets on *this* model (nothing global, nothing in transformers.models.* r
    prompt, and the attention ops take the filled length as a tensor, so one decode graph serves
    every step and every prompt length: no recompiles;
 4. a per-instance `generate` that rejects prompt + max_new_tokens > max_seq_len (or a batch above
-   max_batch_size) with a clear error before any work.
+   max_batch_size) with a clear error before any work, and runs greedy and sampling requests through
+   fastflow's decode loop (decode_loop.py: no per-token host work beyond the compiled step).
 `restore(model)` undoes 2-4.
 
 Compile paths: after `optimize`, `model.generate` compiles decode steps itself. `model.compile(
@@ -60,6 +61,12 @@ def kv_cache_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32, c
     return sum(per_token * n for n in _layer_lengths(cfg, seq_len, cap_sliding))
 
 
+def default_max_seq_len(config) -> int:
+    """optimize()'s static cache length when none is given: the model's positions, at most 2048."""
+    positions = getattr(_text_config(config), "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN
+    return min(positions, DEFAULT_MAX_SEQ_LEN)
+
+
 def _quantize(model, quant):
     import ffl_backend
 
@@ -109,6 +116,10 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     max_batch_size, max_seq_len: the static cache's shape; max_seq_len defaults to
         min(config.max_position_embeddings, 2048). Requests beyond either raise before any work.
     attention: "fastflow" (default), another transformers implementation name, or None to keep.
+    mode: the torch.compile mode decode steps compile with (docs/modes.md): "reduce-overhead" (default;
+        CUDA graphs on CUDA, the C++ wrapper on CPU), "default" for the shorter compile, or any other.
+    decode_loop: True (default): greedy and sampling requests run fastflow's decode loop
+        (ffl_backend/decode_loop.py), the rest transformers' loop; False: transformers' loop always.
     backend_options: options of the fastflow backend (ffl_backend.config.BackendOptions).
     """
     from .attention import hf
@@ -120,7 +131,7 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     BackendOptions.parse(mode, backend_options)  # a typo fails here, not at the first decode step
     cfg = _text_config(model.config)
     if max_seq_len is None:
-        max_seq_len = min(getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
+        max_seq_len = default_max_seq_len(model.config)
     if max_batch_size < 1 or max_seq_len < 2:
         raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
     if getattr(model, _STATE, None) is not None:

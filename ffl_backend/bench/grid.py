@@ -191,20 +191,28 @@ def agreement(results: list[dict]) -> None:
         r["matching_prefix"], r["tokens_equal_eager"] = n, r["tokens"] == ref
 
 
+def _ratios(r: dict, b: dict, name: str, paired: bool) -> None:
+    """`name` (ratio of medians) and, with `paired`, `name`_paired: the median of per-round ratios."""
+    r[name] = r["decode_tok_s"] / b["decode_tok_s"]
+    if paired:
+        r[f"{name}_paired"] = statistics.median(
+            x / y for x, y in zip(r["decode_tok_s_all"], b["decode_tok_s_all"], strict=True))
+
+
 def speedups(results: list[dict], paired: bool = False) -> None:
-    """decode tok/s relative to HF static cache + Inductor (unquantized) of the same group: the ratio
-    of medians, and with `paired` (interleaved rounds: `decode_tok_s_all[i]` all come from round i)
-    also the median of the per-round ratios, which a drift of the machine's speed cancels out of."""
-    base = {_group(r): r for r in results if r["backend"] == "inductor" and r.get("quant", "none") == "none"
-            and "decode_tok_s" in r}
-    for r in results:
-        b = base.get(_group(r))
-        if b is None or "decode_tok_s" not in r:
-            continue
-        r["speedup_vs_inductor"] = r["decode_tok_s"] / b["decode_tok_s"]
-        if paired:
-            r["speedup_vs_inductor_paired"] = statistics.median(
-                x / y for x, y in zip(r["decode_tok_s_all"], b["decode_tok_s_all"], strict=True))
+    """decode tok/s relative to HF static cache + Inductor (unquantized) of the same group, and of
+    fastflow rows relative to the llama.cpp row of the same dtype, quantization, batch and prompt (the
+    GGUF type standing for that quantization): the ratio of medians, and with `paired` (interleaved
+    rounds: `decode_tok_s_all[i]` all come from round i) also the median of the per-round ratios,
+    which a drift of the machine's speed cancels out of."""
+    timed = [r for r in results if "decode_tok_s" in r]
+    base = {_group(r): r for r in timed if r["backend"] == "inductor" and r.get("quant", "none") == "none"}
+    llama = {(*_group(r), r["quant"]): r for r in timed if r["backend"] == "llamacpp"}
+    for r in timed:
+        if _group(r) in base:
+            _ratios(r, base[_group(r)], "speedup_vs_inductor", paired)
+        if r["backend"] == "fastflow" and (*_group(r), r.get("quant", "none")) in llama:
+            _ratios(r, llama[(*_group(r), r.get("quant", "none"))], "speedup_vs_llamacpp", paired)
 
 
 def environment() -> dict:

@@ -14,7 +14,7 @@ CSV_COLUMNS = (
     "backend", "dtype", "quant", "gguf_type", "batch", "prompt_len", "new_tokens", "repeats",
     "load_s", "quantize_s", "compile_cold_s", "compile_warm_s",
     "ttft_s", "prefill_tok_s", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "decode_spread_pct",
-    "speedup_vs_inductor", "speedup_vs_inductor_paired",
+    "speedup_vs_inductor", "speedup_vs_inductor_paired", "speedup_vs_llamacpp", "speedup_vs_llamacpp_paired",
     "peak_rss_mb", "runtime_rss_mb", "model_peak_rss_mb", "cuda_peak_mb",
     "weight_bytes", "effective_gbs", "ceiling_gbs", "pct_of_ceiling",
     "recompiles", "graphs_compiled_while_timed", "matching_prefix", "tokens_equal_eager", "rows_equal", "error",
@@ -28,33 +28,41 @@ def _fmt(value, spec: str, none: str = "-") -> str:
     return format(value, spec)
 
 
+def _times(value) -> str:
+    """A ratio cell: "1.23x", or "-" where there is none."""
+    text = _fmt(value, ".2f")
+    return text if text == "-" else text + "x"
+
+
 def _agreement_cell(r: dict) -> str:
     if "tokens_equal_eager" not in r:
         return "n/a (no eager run)"
     return f"{r['matching_prefix']}/{len(r['tokens'])}" + ("" if r.get("rows_equal", True) else " (rows differ)")
 
 
-def speedup(r: dict) -> float | None:
+def speedup(r: dict, baseline: str = "inductor") -> float | None:
     """The speedup a row is shown with: paired (median of per-round ratios) where the rounds were
     interleaved, else the ratio of medians."""
-    return r.get("speedup_vs_inductor_paired", r.get("speedup_vs_inductor"))
+    return r.get(f"speedup_vs_{baseline}_paired", r.get(f"speedup_vs_{baseline}"))
 
 
 def table(grid: dict) -> str:
     """A markdown table (also what the terminal shows)."""
-    rows = ["| configuration | decode tok/s median (min-max) | vs inductor | TTFT ms | prefill tok/s | "
-            "compile s cold / warm | load s | peak RSS MB (above runtime) | weights GB/s (% of ceiling) | recompiles | "
-            "tokens = eager |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    llama = any(r.get("backend") == "llamacpp" for r in grid["results"])
+    rows = ["| configuration | decode tok/s median (min-max) | vs inductor | " + ("vs llama.cpp | " if llama else "")
+            + "TTFT ms | prefill tok/s | compile s cold / warm | load s | peak RSS MB (above runtime) | "
+            "weights GB/s (% of ceiling) | recompiles | tokens = eager |",
+            "|---" * (12 if llama else 11) + "|"]
     for r in grid["results"]:
         name = label(r) if "quant" in r else f"{r['dtype']} {r['backend']}"
         if "error" in r:
-            rows.append(f"| {name} | error: {r['error']} |" + " |" * 9)
+            rows.append(f"| {name} | error: {r['error']} |" + " |" * (10 if llama else 9))
             continue
+        vs_llama = f"{_times(speedup(r, 'llamacpp'))} | " if llama else ""
         spread = (f" ({r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f})"
                   if "decode_tok_s_min" in r else "")
         rows.append(
-            f"| {name} | {r['decode_tok_s']:.1f}{spread} | {_fmt(speedup(r), '.2f')}x | "
+            f"| {name} | {r['decode_tok_s']:.1f}{spread} | {_times(speedup(r))} | {vs_llama}"
             f"{1000 * r['ttft_s']:.0f} | {_fmt(r.get('prefill_tok_s'), '.0f')} | "
             f"{_fmt(r.get('compile_cold_s', r.get('first_generate_s')), '.1f')} / "
             f"{_fmt(r.get('compile_warm_s'), '.1f')} | {_fmt(r.get('load_s'), '.1f')} | "
@@ -136,8 +144,8 @@ def write_png(grid: dict, path: str) -> None:
     groups = list(dict.fromkeys(_group_label(r) for r in ok))
     backends = [b for b in BACKENDS if any(r["backend"] == b for r in ok)]
     width = 0.8 / max(1, len(backends))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(7, 1.6 * len(groups) + 3), 7.5), sharex=True,
-                                      gridspec_kw={"height_ratios": [3, 2]})
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(backends) * len(groups) + 3), 8), sharex=True,
+                                      gridspec_kw={"height_ratios": [3, 2]}, layout="constrained")
     for i, backend in enumerate(backends):
         rows = {_group_label(r): r for r in ok if r["backend"] == backend}
         xs = [g + (i - (len(backends) - 1) / 2) * width for g, name in enumerate(groups) if name in rows]
@@ -153,23 +161,26 @@ def write_png(grid: dict, path: str) -> None:
         sbars = bottom.bar(xs, speed, width, color=BACKEND_COLORS.get(backend), label=backend)
         bottom.bar_label(sbars, labels=[_fmt(s, ".2f", "") + ("x" if not math.isnan(s) else "") for s in speed],
                          fontsize=8, padding=2)
-    top.set_ylabel("decode throughput (tokens/s)\nbar = median, whisker = min-max")
+    top.set_ylabel("decode tokens/s")
     top.legend(title="backend", loc="upper left", fontsize=8)
     top.grid(axis="y", alpha=0.3)
     top.margins(y=0.15)
     bottom.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
     paired = grid.get("settings", {}).get("schedule") == "interleaved"
-    bottom.set_ylabel("speedup vs Inductor\n(unquantized, same dtype/batch/prompt"
-                      + ("; median of per-round ratios)" if paired else ")"))
+    bottom.set_ylabel("speedup vs Inductor")
     bottom.set_xlabel("configuration: dtype, quantization, batch size b, prompt length p (tokens)")
     bottom.grid(axis="y", alpha=0.3)
     bottom.margins(y=0.2)
-    bottom.set_xticks(range(len(groups)), groups)
+    bottom.set_xticks(range(len(groups)), groups, fontsize=8)
+    fig.align_ylabels((top, bottom))
     env, st = grid["environment"], grid.get("settings", {})
     model = os.path.basename(st.get("model", "model").rstrip("/"))
     fig.suptitle(f"{model}: greedy decode, {st.get('new_tokens')} new tokens\n{env['machine']}, "
                  f"torch {env['torch']}", fontsize=10)
-    fig.tight_layout()
+    # The long explanations go under the figure, not into axis labels that would collide.
+    fig.supxlabel("Bars: median of the timed generates, whiskers: min-max. Speedup: decode tok/s over unquantized "
+                  "Inductor of the same dtype, batch and prompt" + (" (median of per-round ratios)." if paired else "."),
+                  fontsize=8, wrap=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 

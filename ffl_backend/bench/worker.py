@@ -182,10 +182,12 @@ class Session:
         self.model, tok, load_s, quantize_s = load_model(cfg)
         ids = prompt_ids(tok, cfg["prompt_len"], cfg.get("text")).repeat(cfg.get("batch", 1), 1)
         self.ids = ids.to(cfg.get("device", "cpu"))
-        backend = None if cfg["backend"] == "eager" else cfg["backend"]
-        # Cache exactly as long as the request: its shape is part of the compiled decode graph.
-        configure_generate(self.model, backend=backend, options=cfg.get("options"),
-                           max_cache_len=cfg["prompt_len"] + cfg["new_tokens"])
+        if cfg["backend"] == "fastflow":
+            _optimize(self.model, cfg)
+        else:
+            # Cache exactly as long as the request: its shape is part of the compiled decode graph.
+            configure_generate(self.model, backend=None if cfg["backend"] == "eager" else cfg["backend"],
+                               options=cfg.get("options"), max_cache_len=cfg["prompt_len"] + cfg["new_tokens"])
         self.warm_up(load_s=load_s, quantize_s=quantize_s)
         self.graphs_before = _graphs()
 
@@ -224,6 +226,17 @@ class Session:
                               recompiles=_frames_recompiled(),
                               graphs_compiled_while_timed=_graphs() - self.graphs_before,
                               cuda_peak_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else None)
+
+
+def _optimize(model, cfg: dict) -> None:
+    """The fastflow rows run what users are told to call: `ffl_backend.optimize` with its defaults
+    (static cache of min(2048, the model's positions), its decode loop, mode "reduce-overhead"), the
+    cache made longer only where the request needs it; options as given (e.g. {"mode": "default"})."""
+    from ..api import default_max_seq_len, optimize
+
+    needed = cfg["prompt_len"] + cfg["new_tokens"]
+    optimize(model, max_batch_size=cfg.get("batch", 1), max_seq_len=max(needed, default_max_seq_len(model.config)),
+             **(cfg.get("options") or {}))
 
 
 def open_session(cfg: dict) -> Session:
