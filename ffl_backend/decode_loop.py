@@ -147,17 +147,19 @@ class DecodeLoop:
         return processors, criteria
 
     def _cache(self, batch: int, device):
-        """The static cache for this batch size, emptied (its tensors are allocated once)."""
+        """The static cache for this batch size and the model's dtype and device, emptied (its tensors
+        are allocated once): a model moved or cast between calls gets a cache of its own."""
         from transformers import StaticCache
 
         from .attention import hf
 
-        cache = self._caches.get(batch)
+        key = (batch, self.model.dtype, str(device))
+        cache = self._caches.get(key)
         if cache is None:
             cache = StaticCache(config=self.model.config, max_cache_len=self.max_seq_len)
             if self.model.config._attn_implementation == hf.NAME:
                 hf.unroll_sliding_layers(cache, self.max_seq_len)  # the op applies the window
-            self._caches[batch] = cache
+            self._caches[key] = cache
         else:
             cache.reset()
         return cache
