@@ -126,3 +126,64 @@ def test_a_new_batch_size_gets_its_own_graph():
     out = model.generate(torch.randint(3, 128, (2, 5)), max_new_tokens=4, do_sample=False)
     assert out.shape == (2, 9)
     assert len(ffl_backend.fusion_reports()) > graphs  # recompiled for batch 2, not reused
+
+
+def test_steady_steps_call_the_compiled_graph_directly(monkeypatch):
+    """After the two guarded steps the loop calls the recorded graph itself (no Dynamo per step);
+    the tokens are transformers' (the parametrized test above runs the same path)."""
+    from ffl_backend import decode_loop
+
+    seen = []
+    original = decode_loop._direct_call
+    monkeypatch.setattr(decode_loop, "_direct_call", lambda calls, out: seen.append(original(calls, out)) or seen[-1])
+    model = _optimized()
+    ids = torch.randint(3, 128, (1, 6))
+    first = model.generate(ids, max_new_tokens=10, do_sample=False)  # compiles: its steps stay on Dynamo
+    assert not seen
+    assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), first)
+    assert len(seen) == 1 and seen[0] is not None
+
+
+def test_only_frames_whose_replayed_effects_change_nothing_are_called_directly():
+    """A frame that leaves a global attribute as it found it may be called directly; one that
+    stores a new value may not (Dynamo replays that store after the graph)."""
+    from ffl_backend.backend import recorded_calls
+
+    class State:
+        flag, count = None, 0
+
+    state = State()
+
+    def restores(x):
+        state.flag = "busy"
+        y = x * 2
+        state.flag = None
+        return y
+
+    def stores(x):
+        state.count = 7
+        return x * 2
+
+    for fn, expected in ((restores, True), (stores, False)):
+        compiled = torch.compile(fn, backend="fastflow", options={"inductor": False}, fullgraph=True)
+        compiled(torch.ones(3))
+        with recorded_calls() as calls:
+            compiled(torch.ones(3))
+        assert len(calls) == 1 and calls[0][0].replays_nothing is expected, fn.__name__
+
+
+def test_a_step_with_a_graph_break_is_not_called_directly():
+    from ffl_backend.decode_loop import _one_graph
+
+    def one(x):
+        return x + 1
+
+    def broken(x):
+        y = x + 1
+        torch._dynamo.graph_break()
+        return y * 2
+
+    for fn, expected in ((one, True), (broken, False)):
+        compiled = torch.compile(fn, backend="fastflow", options={"inductor": False})
+        compiled(torch.ones(2))
+        assert _one_graph(compiled) is expected, fn.__name__
