@@ -63,7 +63,7 @@ def prepare(quant: str, dtype: str, entry: str, mode: str | None, prompt_len: in
 
     model, tok, _, _ = load_model({"model": str(smollm2_path()), "dtype": dtype, "quant": quant})
     if entry == "optimize":
-        ffl_backend.optimize(model, mode=mode)
+        ffl_backend.optimize(model, **({"mode": mode} if mode else {}))  # else optimize's own default
     else:
         configure_generate(model, backend="fastflow", max_cache_len=prompt_len + new_tokens, mode=mode)
     return model, prompt_ids(tok, prompt_len)
@@ -86,7 +86,10 @@ def main(argv=None) -> None:
     if not cpu_gemv.load():
         raise SystemExit(f"CPU kernels not built: {cpu_gemv.load_error()}")
     model, ids = prepare(args.quant, args.dtype, args.entry, args.mode, args.prompt_len, args.new_tokens)
-    row = {"quant": args.quant, "dtype": args.dtype, "entry": args.entry, "mode": args.mode,
+    from ffl_backend.api import DEFAULT_MODE
+
+    mode = args.mode or (DEFAULT_MODE if args.entry == "optimize" else "default")
+    row = {"quant": args.quant, "dtype": args.dtype, "entry": args.entry, "mode": mode,
            "prompt_len": args.prompt_len, **split_step(model, ids, args.rounds, args.new_tokens)}
     report_row(row, args.out)
 
