@@ -46,8 +46,9 @@ def compile_config(backend="fastflow", options=None, fullgraph=False, dynamic=Fa
 
 
 def configure_generate(model, backend="fastflow", options=None, max_cache_len=None, mode=None):
-    """Set `model.generation_config` so `generate()` uses a static cache compiled with `backend`,
-    and enable Dynamo's fast guard path (`enable_fast_guards`) for whichever backend.
+    """Set `model.generation_config` so `generate()` uses a static cache compiled with `backend` in
+    torch.compile `mode` (None: the default mode), and enable Dynamo's fast guard path
+    (`enable_fast_guards`) for whichever backend.
 
     `backend=None` keeps the static cache and turns compilation off (eager decode)."""
     gc = model.generation_config

@@ -92,14 +92,6 @@ def clear_reports() -> None:
         _reports.clear()
 
 
-def total_matches() -> Counter:
-    """Matches per family summed over every recorded graph."""
-    total = Counter()
-    for rep in fusion_reports():
-        total.update(rep.matches)
-    return total
-
-
 def recompiles() -> list[GraphReport]:
     """The reports of graphs that were recompiles (each says which guard failed)."""
     return [r for r in fusion_reports() if r.recompile]

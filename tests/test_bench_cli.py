@@ -304,6 +304,11 @@ def test_interleaving_falls_back_to_sequential_where_memory_is_short(tmp_path, m
             for d, q in (("float32", "none"), ("bfloat16", "none"), ("bfloat16", "int8"))]
     assert interleave.memory_needed_gb(cfgs) == pytest.approx(3 * interleave.RUNTIME_GB + 0.4 + 0.2
                                                               + 0.2 * interleave.QUANTIZED_SHARE)
+    with open(tmp_path / "model.gguf", "wb") as fh:  # a llama.cpp row: its small runtime and its file
+        fh.truncate(50_000_000)
+    llama = {"model": str(tmp_path), "dtype": "bfloat16", "quant": "int8", "backend": "llamacpp",
+             "gguf": str(tmp_path / "model.gguf")}
+    assert interleave.memory_needed_gb([llama]) == pytest.approx(interleave.LLAMACPP_RUNTIME_GB + 0.05)
     assert interleave.available_memory_gb() > 0  # this machine's /proc/meminfo
     logged = []
     for available, expected in ((4.0, "sequential"), (10.0, "interleaved"), (None, "interleaved")):

@@ -80,6 +80,8 @@ RUNTIME_GB = 1.0
 # SmolLM2-135M and 0.53x on 1.7B; int4 less.
 QUANTIZED_SHARE = 0.65
 CUDA_CONTEXT_GB = 0.6  # a CUDA context with cuBLAS and Triton loaded, rounded up
+# A llama.cpp worker holds llama_cpp's import (~40 MB measured) and the pages of its GGUF file it reads.
+LLAMACPP_RUNTIME_GB = 0.2
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -102,10 +104,18 @@ def _weights_gb(cfg: dict) -> float:
     return weights * (QUANTIZED_SHARE if cfg.get("quant", "none") != "none" else 1.0)
 
 
+def _process_gb(cfg: dict) -> float:
+    """One configuration's process: a llama.cpp row's file (llamacpp.prepare wrote it) and its small
+    runtime, or a torch row's runtime and weights."""
+    if cfg.get("backend") == "llamacpp" and cfg.get("gguf") and os.path.exists(cfg["gguf"]):
+        return LLAMACPP_RUNTIME_GB + os.path.getsize(cfg["gguf"]) / 1e9
+    return RUNTIME_GB + _weights_gb(cfg)
+
+
 def memory_needed_gb(cfgs: list[dict]) -> float:
     """A generous estimate of the host memory every configuration's process holds at once when
     interleaved (a GPU configuration's weights counted on the host too: they are loaded there first)."""
-    return sum(RUNTIME_GB + _weights_gb(cfg) for cfg in cfgs)
+    return sum(_process_gb(cfg) for cfg in cfgs)
 
 
 def gpu_memory_needed_gb(cfgs: list[dict]) -> float:

@@ -144,7 +144,7 @@ def write_png(grid: dict, path: str) -> None:
     groups = list(dict.fromkeys(_group_label(r) for r in ok))
     backends = [b for b in BACKENDS if any(r["backend"] == b for r in ok)]
     width = 0.8 / max(1, len(backends))
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 1.3 * len(backends) * len(groups) + 3), 8), sharex=True,
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(max(8, 0.9 * len(backends) * len(groups) + 3), 8), sharex=True,
                                       gridspec_kw={"height_ratios": [3, 2]}, layout="constrained")
     for i, backend in enumerate(backends):
         rows = {_group_label(r): r for r in ok if r["backend"] == backend}
