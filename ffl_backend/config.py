@@ -68,8 +68,10 @@ def mode_config(mode: str | None, device: str) -> dict:
     from torch._inductor import list_mode_options
 
     patches = dict(list_mode_options(mode))
-    if device == "cpu" and mode == "reduce-overhead":
-        patches.update(CPU_REDUCE_OVERHEAD_CONFIG)
+    if device == "cpu":
+        patches.pop("triton.cudagraphs", None)  # no CUDA graphs of a CPU graph (Inductor would warn)
+        if mode == "reduce-overhead":
+            patches.update(CPU_REDUCE_OVERHEAD_CONFIG)
     return patches
 
 
