@@ -51,8 +51,8 @@ DEFAULT_INDUCTOR_CONFIG = {"size_asserts": False, "cpp.enable_floating_point_con
 
 
 # What "reduce-overhead" adds on CPU, where there are no CUDA graphs: see docs/modes.md.
-# Built in two parts (kernels, wrapper): SmolLM2-135M cold compile 74 -> 45 s, decode speed the same
-# (0.997x paired, benchmarks/results/entry_points_cpu.json).
+# Built in two parts (kernels, wrapper): a much shorter cold compile at the same decode speed
+# (docs/modes.md).
 CPU_REDUCE_OVERHEAD_CONFIG = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
 
 # torch.compile's modes (torch._inductor.list_mode_options). Each brings Inductor's own settings for it

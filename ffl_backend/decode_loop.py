@@ -18,7 +18,7 @@ no break, whose results are the graph's outputs and after which Dynamo replays n
 changes anything (backend.CompiledGraph). Elsewhere (CUDA, side effects) the remaining steps run
 through Dynamo with only the guards that tell cache entries apart (`skip_guard_eval_unsafe`), unless
 the model holds many buffers: those "differentiating" guards keep every non-Parameter tensor and an
-aliasing check quadratic in their number (int4-all: 2.7 ms per step against 1.4 with full guards).
+aliasing check quadratic in their number: more than the full guards cost (docs/performance.md).
 
 Everything else -- beam search, assisted or contrastive decoding, returning scores or a dict, several
 sequences per prompt, inputs_embeds, a cache passed in -- goes to transformers' own loop, with the
@@ -79,15 +79,15 @@ def _unsupported(model, gc, model_kwargs, extra) -> str | None:
 
 def decode_step(model, input_ids, attention_mask, position_ids, cache, keep: dict, cpu_argmax: bool):
     """One decode step: the newest position's logits and their argmax, both inside the compiled graph
-    (torch's argmax over a 49k vocabulary takes 50-140 us on CPU, fastflow_cpu::argmax a few)."""
+    (torch's argmax over a vocabulary is not vectorized on CPU; fastflow_cpu::argmax is, cpu_argmax.cpp)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
                    use_cache=True, **keep).logits[:, -1]
     return logits, (torch.ops.fastflow_cpu.argmax(logits) if cpu_argmax else logits.argmax(-1))
 
 
 class _Unguarded:
-    """`skip_guard_eval_unsafe` as a reusable context: building torch.compiler.set_stance costs ~30 us,
-    entering a built one ~3 us. Built per generate() call, so it restores the stance of that call."""
+    """`skip_guard_eval_unsafe` as a reusable context: building torch.compiler.set_stance costs ten
+    times what entering a built one does. Built per generate() call, so it restores that call's stance."""
 
     def __init__(self):
         import torch._dynamo.eval_frame as eval_frame
@@ -273,7 +273,7 @@ class DecodeLoop:
                 nxt = (torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1) if gc.do_sample
                        else scores.argmax(-1))
             else:
-                nxt, scores = best, logits  # the step's own argmax (an eager one costs ~0.1 ms at 49k)
+                nxt, scores = best, logits  # the step's own argmax (decode_step)
             if eos is not None:
                 nxt = torch.where(unfinished, nxt, pad)
             sequences[:, length] = nxt

@@ -15,7 +15,9 @@ CPU path, chosen by measurement (benchmarks/attention_cpu_paths.py; SmolLM2 shap
     masked full-cache SDPA, Inductor          213 us    123 us   (the HF sdpa + static cache path)
 (Under load from other jobs the same ordering held: 80 / 79 us vs 221 / 115 and 358 / 178 us.)
 So the op is an opaque `custom_op` (the data-dependent slice is legal inside it; Inductor could not
-trace it without an unbacked size) whose CPU body slices and calls SDPA with `enable_gqa`.
+trace it without an unbacked size). Its CPU body runs the C++ kernel `fastflow_cpu::decode_attention`
+(kernels/cpu_attention.cpp) for up to CPU_KERNEL_MAX_ROWS query rows per KV head -- it reads only the
+filled slots with no slice, mask copy or SDPA call -- and slices + SDPA with `enable_gqa` beyond that.
 
 CUDA path, flash-decoding: `_split_kernel` gives each (batch, kv head, split) program all `group * Lq`
 query rows of that kv head (GQA: each K/V block is loaded once for the whole group, as a tl.dot

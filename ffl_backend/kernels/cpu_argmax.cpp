@@ -1,11 +1,11 @@
 // fastflow_cpu::argmax -- index of the largest value along the last dim, for picking a decode step's
 // greedy token from its logits (..., vocab) on CPU.
 //
-// torch.argmax over a 49k-entry row takes ~50 us in fp32 and ~140 us in bf16 on a 2-core Xeon
-// (eager and Inductor alike: the index-tracking reduction is not vectorized); these two vectorizable
-// passes -- the maximum, then its first position -- take a few. Semantics are torch.argmax's: the
-// first index of the maximum, and a NaN counts as the maximum (its first index wins).
-// The reference is torch.argmax itself (tests/kernels/test_cpu_argmax.py).
+// Why: torch.argmax's index-tracking reduction is not vectorized on CPU (eager and Inductor alike),
+// and over a vocabulary-sized row it is a visible part of a decode step (docs/performance.md); these
+// two vectorizable passes -- the maximum, then its first position -- are an order of magnitude faster.
+// Semantics are torch.argmax's: the first index of the maximum, and a NaN counts as the maximum (its
+// first index wins). The reference is torch.argmax itself (tests/kernels/test_cpu_decode_kernels.py).
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/BFloat16.h>
@@ -20,7 +20,7 @@
 namespace {
 
 // Widening written as bit operations (bf16 is the high half of an fp32), which the compiler
-// vectorizes; c10::BFloat16's own conversion keeps this loop scalar (~10x slower).
+// vectorizes; c10::BFloat16's own conversion keeps this loop scalar.
 inline float widen(float v) { return v; }
 inline float widen(c10::Half v) { return static_cast<float>(v); }
 inline float widen(c10::BFloat16 v) {

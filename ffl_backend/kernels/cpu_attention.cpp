@@ -7,9 +7,9 @@
 // (window > 0) and mask[b, 0, i, j] (optional boolean HF mask, padding); a query with no visible key
 // gives zeros. GQA without repeating K/V: the `group` query heads of one KV head read each key once.
 //
-// Why a kernel of its own: at decode the attention of one layer is ~10-100 us of work, and the
-// Python custom op around SDPA (slice to filled, mask, SDPA, copies) cost about as much again per
-// layer in dispatch and allocations. A C++ op is one dispatcher call from Inductor's wrapper (one
+// Why a kernel of its own: at decode a layer's attention is little work, and the Python custom op
+// around SDPA (slice to filled, mask, SDPA, copies) cost about as much again per layer in dispatch
+// and allocations (docs/performance.md). A C++ op is one dispatcher call from Inductor's wrapper (one
 // C++ call under cpp_wrapper), reads only the filled slots, and writes its output directly in the
 // (B, Lq, Hq, D) order the o_proj reads (returned as a (B, Hq, Lq, D) view of it).
 // Built with cpu_gemv.cpp into one library (cpu_gemv.py); vectorized by the compiler (omp simd).
