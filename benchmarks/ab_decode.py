@@ -43,7 +43,7 @@ def _variant(spec: dict, dtype: str, quant: str) -> dict:
 
 def _prepare(v: dict, new_tokens: int, prompt_len: int = 16):
     import ffl_backend
-    from ffl_backend.bench.worker import load_model, prompt_ids, time_generate
+    from ffl_backend.bench.session import load_model, prompt_ids, time_generate
     from ffl_backend.generation import configure_generate
     from ffl_backend.models import smollm2_path
 
@@ -66,7 +66,7 @@ def _prepare(v: dict, new_tokens: int, prompt_len: int = 16):
 def compare(variants: list, rounds: int, new_tokens: int, prompt_len: int = 16) -> dict:
     """Decode tok/s of each variant (dicts with SETUP_KEYS), timed in alternation, and each one's
     ratio to the first."""
-    from ffl_backend.bench.worker import time_generate
+    from ffl_backend.bench.session import time_generate
 
     names = [v["name"] for v in variants]
     if len(set(names)) != len(names):

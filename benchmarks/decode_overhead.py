@@ -24,13 +24,11 @@ import argparse
 import contextlib
 import statistics
 
-import torch
-
 
 def split_step(model, ids, rounds: int, new_tokens: int) -> dict:
     """ms per decode step of `model` (set up to generate() with fastflow) with real and with null
     kernels, alternating for `rounds` rounds; the kernels compute again afterwards."""
-    from ffl_backend.bench.worker import time_generate
+    from ffl_backend.bench.session import time_generate
     from ffl_backend.kernels.cpu_gemv import null_kernels
 
     modes = {"real": contextlib.nullcontext, "null": null_kernels}
@@ -57,7 +55,7 @@ def split_step(model, ids, rounds: int, new_tokens: int) -> dict:
 def prepare(quant: str, dtype: str, entry: str, mode: str | None, prompt_len: int, new_tokens: int):
     """(model, prompt ids): SmolLM2-135M set up the way `entry` says."""
     import ffl_backend
-    from ffl_backend.bench.worker import load_model, prompt_ids
+    from ffl_backend.bench.session import load_model, prompt_ids
     from ffl_backend.generation import configure_generate
     from ffl_backend.models import smollm2_path
 

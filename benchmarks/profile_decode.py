@@ -40,7 +40,7 @@ def _group(name: str) -> str:
 
 
 def profile(dtype: str, backend: str, options: dict | None, new_tokens: int, quant: str = "none") -> dict:
-    from ffl_backend.bench.worker import load_model, prompt_ids, time_generate
+    from ffl_backend.bench.session import load_model, prompt_ids, time_generate
     from ffl_backend.generation import configure_generate
     from ffl_backend.models import smollm2_path
 

@@ -63,7 +63,7 @@ def decode(args) -> dict:
 
 def rss(args) -> dict:
     import ffl_backend
-    from ffl_backend.bench.worker import current_rss_mb
+    from ffl_backend.bench.session import current_rss_mb
 
     if args.model == "imports":  # what every variant pays before its first tensor
         from transformers import AutoModelForCausalLM  # noqa: F401

@@ -31,7 +31,7 @@ __all__ = [
 _LAZY = {
     "fastflow": "backend",
     "BackendOptions": "config",
-    "PATTERN_FAMILIES": "config",
+    "PATTERN_FAMILIES": "patterns.registry",
     "GraphReport": "report",
     "fusion_reports": "report",
     "last_report": "report",

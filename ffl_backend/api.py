@@ -2,7 +2,7 @@
 
 What it sets on *this* model (nothing global, nothing in transformers.models.* rebound):
 1. quantization through `ffl_backend.quantize` when `quant` is given (not undone by `restore`);
-2. the "fastflow" attention implementation (ffl_backend/attention/hf.py) and its mask function;
+2. the "fastflow" attention implementation (ffl_backend/hf_attention.py) and its mask function;
 3. generation over a static KV cache of fixed shape (batch x max_seq_len), with decode compiled by
    the fastflow backend (`generation.configure_generate`). The cache length never depends on the
    prompt, and the attention ops take the filled length as a tensor, so one decode graph serves
@@ -67,17 +67,6 @@ def default_max_seq_len(config) -> int:
     return min(positions, DEFAULT_MAX_SEQ_LEN)
 
 
-def _quantize(model, quant):
-    import ffl_backend
-
-    try:
-        quantize = ffl_backend.quantize
-    except AttributeError:
-        raise RuntimeError("optimize(quant=...) needs ffl_backend.quantize, which this build does not "
-                           "provide; call optimize(model) without quant") from None
-    return quantize(model, quant)
-
-
 def _requested(model, args, kwargs) -> tuple[int, int]:
     """(rows in the cache, total tokens) a generate call asks for, resolved as generate resolves them."""
     ids = kwargs.get("input_ids", kwargs.get("inputs", args[0] if args else None))
@@ -122,11 +111,12 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
         (ffl_backend/decode_loop.py), the rest transformers' loop; False: transformers' loop always.
     backend_options: options of the fastflow backend (ffl_backend.config.BackendOptions).
     """
-    from .attention import hf
+    from . import hf_attention as hf
     from .config import BackendOptions
     from .decode_loop import DecodeLoop
     from .generation import configure_generate
-    from .patterns.horizontal import share_fused_storage
+    from .quant.api import quantize
+    from .quant.weight_layout import share_fused_storage
 
     BackendOptions.parse(mode, backend_options)  # a typo fails here, not at the first decode step
     cfg = _text_config(model.config)
@@ -137,7 +127,7 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     if getattr(model, _STATE, None) is not None:
         restore(model)
     if quant is not None:
-        model = _quantize(model, quant)
+        model = quantize(model, quant)
     gc = model.generation_config
     state = {"generation": {k: getattr(gc, k, None) for k in
                             ("cache_implementation", "max_cache_len", "compile_config", "disable_compile")}}
@@ -156,12 +146,13 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
 
 
 def restore(model):
-    """Undo `optimize` (attention implementation, generation settings, generate check); quantized
-    weights stay quantized."""
+    """Undo `optimize` (attention implementation, generation settings, generate check, and Dynamo's
+    process-wide guard settings once no optimized model is left); quantized weights stay quantized."""
     state = getattr(model, _STATE, None)
     if state is None:
         return model
-    from .attention import hf
+    from . import hf_attention as hf
+    from .generation import release_fast_guards
 
     model.__dict__.pop("generate", None)
     hf.uninstall(model, state["attention"])
@@ -169,5 +160,6 @@ def restore(model):
         setattr(model.generation_config, key, value)
     for attr in ("_compiled_call", "_last_compile_config"):
         model.__dict__.pop(attr, None)
+    release_fast_guards(model)
     setattr(model, _STATE, None)
     return model

@@ -150,3 +150,14 @@ def recorded_calls():
         yield _recorder
     finally:
         _recorder = previous
+
+
+def register_without_install() -> bool:
+    """Register `fastflow` with Dynamo by hand where the package runs from a source tree (PYTHONPATH,
+    no pip install: scripts/gpu_check.sh on a machine with its own torch), which has no entry point
+    to be found by. An installed package is found through its entry point and is left alone:
+    registering beside it fails with a duplicate name. Returns whether it registered."""
+    if "fastflow" in torch._dynamo.list_backends(exclude_tags=()):
+        return False
+    torch._dynamo.register_backend(fastflow, name="fastflow")
+    return True

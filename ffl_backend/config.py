@@ -33,10 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 
-PATTERN_FAMILIES = (
-    "horizontal", "rms_norm", "add_rms_norm", "layer_norm", "gated_act", "gelu", "rotary", "decode_attention",
-    "decode_gemv", "packed_linear",
-)
+from .patterns.registry import PATTERN_FAMILIES
 
 CPU_GEMV_CHOICES = ("auto", "kernel", "loops")
 

@@ -70,7 +70,7 @@ def _unsupported(model, gc, model_kwargs, extra) -> str | None:
         return f"model inputs {others}"
     if model.config.is_encoder_decoder:
         return "encoder-decoder model"
-    from .attention import hf
+    from . import hf_attention as hf
 
     if model.config._attn_implementation != hf.NAME and hf.has_sliding_layers(model.config):
         return "sliding-window layers without fastflow attention (their rolling cache recompiles per step)"
@@ -222,7 +222,7 @@ class DecodeLoop:
         are allocated once): a model moved or cast between calls gets a cache of its own."""
         from transformers import StaticCache
 
-        from .attention import hf
+        from . import hf_attention as hf
 
         key = (batch, self.model.dtype, str(device))
         cache = self._caches.get(key)

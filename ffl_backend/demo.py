@@ -38,7 +38,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from . import optimize
+    from .api import optimize
     from .bench import run_grid, table, time_generate
     from .bench.llamacpp import import_error
     from .models import load_smollm2, smollm2_path

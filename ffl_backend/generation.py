@@ -7,6 +7,7 @@ a per-instance setting to apply after every load.
 from __future__ import annotations
 
 import logging
+import weakref
 
 logger = logging.getLogger("ffl_backend")
 
@@ -18,16 +19,37 @@ FAST_GUARD_CONFIG = {"use_recursive_dict_tags_for_guards": True,
                      "max_saved_pointers_for_recursive_dict_tags_check": 8192}
 
 
-def enable_fast_guards() -> None:
-    """Let Dynamo skip guards of unchanged nn.Module subtrees (a process-wide Dynamo setting).
+# Dynamo's own values of FAST_GUARD_CONFIG, saved when the first model turns the settings on and put
+# back when the last one still alive is restored; the models configured meanwhile.
+_saved_dynamo_config: dict = {}
+_fast_guard_models: weakref.WeakSet = weakref.WeakSet()
+
+
+def enable_fast_guards(model) -> None:
+    """Let Dynamo skip guards of unchanged nn.Module subtrees: a process-wide Dynamo setting, held
+    for `model` until `release_fast_guards(model)`.
 
     Caveat, the same as for fastflow's compile-time weight copies: a compiled model whose tensors
     are swapped in ways that leave module dicts untouched (`param.data = other`) must be recompiled
     (`torch._dynamo.reset()`); module attribute changes are still caught."""
     import torch._dynamo
 
+    if not _fast_guard_models:
+        _saved_dynamo_config.update({key: getattr(torch._dynamo.config, key) for key in FAST_GUARD_CONFIG})
+    _fast_guard_models.add(model)
     for key, value in FAST_GUARD_CONFIG.items():
         setattr(torch._dynamo.config, key, value)
+
+
+def release_fast_guards(model) -> None:
+    """`model` no longer needs the fast guard settings; the last model to let go restores Dynamo's."""
+    import torch._dynamo
+
+    _fast_guard_models.discard(model)
+    if not _fast_guard_models and _saved_dynamo_config:
+        for key, value in _saved_dynamo_config.items():
+            setattr(torch._dynamo.config, key, value)
+        _saved_dynamo_config.clear()
 
 
 def compile_config(backend="fastflow", options=None, fullgraph=False, dynamic=False, mode=None):
@@ -48,7 +70,7 @@ def compile_config(backend="fastflow", options=None, fullgraph=False, dynamic=Fa
 def configure_generate(model, backend="fastflow", options=None, max_cache_len=None, mode=None):
     """Set `model.generation_config` so `generate()` uses a static cache compiled with `backend` in
     torch.compile `mode` (None: the default mode), and enable Dynamo's fast guard path
-    (`enable_fast_guards`) for whichever backend.
+    (`enable_fast_guards`, until `release_fast_guards(model)`) for whichever backend.
 
     `backend=None` keeps the static cache and turns compilation off (eager decode)."""
     gc = model.generation_config
@@ -63,6 +85,6 @@ def configure_generate(model, backend="fastflow", options=None, max_cache_len=No
         return model
     gc.disable_compile = False
     gc.compile_config = compile_config(backend, options, mode=mode)
-    enable_fast_guards()
+    enable_fast_guards(model)
     logger.info("generate() will decode over a static cache compiled with backend=%r", backend)
     return model

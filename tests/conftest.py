@@ -1,8 +1,10 @@
 """Test setup. TRITON_INTERPRET must be set before anything imports triton (transformers does), so
-it is set here, at collection, before any test module is imported."""
+it is set here, at collection, before any test module is imported. FFL_NATIVE_TRITON=1 leaves it
+unset: the `cuda` tests on a GPU (scripts/gpu_check.sh) run the compiled kernels, not the interpreter."""
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("FFL_NATIVE_TRITON") != "1":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import zlib  # noqa: E402

@@ -1,14 +1,13 @@
 """`ffl-bench`: one-line errors for bad requests, a tiny model end to end, and the output files' schema."""
 import csv
-import json
 import io
+import json
 import os
 import statistics
 import subprocess
 import sys
 
 import pytest
-
 from tiny_models import tiny_model
 
 # Keys every successful result row carries in the JSON (the CSV holds the scalar ones).
@@ -30,7 +29,7 @@ def tiny_folder(tmp_path_factory):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from ffl_backend.bench.worker import DEFAULT_TEXT
+    from ffl_backend.bench.session import DEFAULT_TEXT
 
     folder = tmp_path_factory.mktemp("tiny_llama")
     words = ["<pad>", "<s>", "</s>", "<unk>"] + sorted(set(DEFAULT_TEXT.split()))
@@ -153,11 +152,11 @@ def test_outputs_from_a_synthetic_grid(tmp_path):
 
 def test_weight_bytes_counts_a_tied_table_once_and_skips_lookup_only_embeddings():
     import torch
+    from tiny_models import COMMON
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import ffl_backend
-    from ffl_backend.bench.worker import weight_bytes
-    from tiny_models import COMMON
+    from ffl_backend.bench.session import weight_bytes
 
     def nbytes(tensors):
         return sum(t.numel() * t.element_size() for t in tensors)
@@ -194,7 +193,7 @@ def test_time_generate_makes_exactly_the_tokens_asked_even_past_eos():
     than asked), and must get there without min_new_tokens' per-step logits processors."""
     import torch
 
-    from ffl_backend.bench.worker import time_generate
+    from ffl_backend.bench.session import time_generate
 
     model = tiny_model("llama")
     ids = torch.tensor([[1, 2, 3, 4]])

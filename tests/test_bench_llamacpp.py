@@ -24,7 +24,7 @@ def _bpe_tokenizer(folder):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from ffl_backend.bench.worker import DEFAULT_TEXT
+    from ffl_backend.bench.session import DEFAULT_TEXT
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -328,12 +328,11 @@ def test_smollm2_f16_file_tokenizes_and_decodes_like_bf16_eager(tmp_path):
     """The real model: llama.cpp's tokenizer, from the written vocabulary, splits text as the HF
     tokenizer does; and its F16 greedy tokens follow bf16 eager's (21 of 24 leading tokens here, then
     a near-tie that bf16 and f16 arithmetic break differently)."""
-    import ctypes
 
     import llama_cpp
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ffl_backend.bench.worker import DEFAULT_TEXT, prompt_ids
+    from ffl_backend.bench.session import DEFAULT_TEXT, prompt_ids
     from ffl_backend.models import smollm2_path
 
     folder = smollm2_path()

@@ -33,9 +33,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels import cpu_gemv
-from ..kernels._triton import HAS_TRITON, AotSpec, ptr, tl, triton
-from .prefill import (AOT_BLOCK_DS, AOT_DTYPES, dot, dot_precision, flash_launch, head_block, row_cost,
-                      upcast_dot)
+from ..kernels._triton import HAS_TRITON, AotSpec, on_triton_device, ptr, tl, triton
+from .prefill import AOT_BLOCK_DS, AOT_DTYPES, dot, dot_precision, flash_launch, head_block, row_cost, upcast_dot
 from .reference import visible
 
 MAX_SPLITS = 64
@@ -218,12 +217,9 @@ def attention_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Te
 @torch.library.custom_op("fastflow::attention_decode", mutates_args=())
 def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Tensor, scale: float,
                      window: int = 0, mask: Tensor | None = None) -> Tensor:
+    if on_triton_device(q):
+        return attention_decode_triton(q, k_cache, v_cache, filled, scale, window, mask)
     return attention_decode_cpu(q, k_cache, v_cache, filled, scale, window, mask)
-
-
-@attention_decode.register_kernel("cuda")
-def _attention_decode_cuda(q, k_cache, v_cache, filled, scale, window=0, mask=None):
-    return attention_decode_triton(q, k_cache, v_cache, filled, scale, window, mask)
 
 
 @attention_decode.register_fake

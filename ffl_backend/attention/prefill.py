@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels._triton import HAS_TRITON, AotSpec, interpreting, launch, ptr, tl, triton
+from ..kernels._triton import HAS_TRITON, AotSpec, interpreting, launch, on_triton_device, ptr, tl, triton
 from .reference import visible
 
 # Head dims of the supported families (64 SmolLM2, 80 Phi-2, 96 Phi-3, 128 Llama/Mistral, 256 Gemma)
@@ -166,7 +166,7 @@ def attention_prefill_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, window:
 
 @torch.library.triton_op("fastflow::attention_prefill", mutates_args=())
 def attention_prefill(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0) -> Tensor:
-    if HAS_TRITON and q.device.type == "cuda":
+    if on_triton_device(q):
         return flash_launch(q, k, v, scale, window)
     return attention_prefill_cpu(q, k, v, scale, window).contiguous()
 

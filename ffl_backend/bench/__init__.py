@@ -2,8 +2,10 @@
 
     cli.py        ffl-bench: arguments, checks before any run, one-line errors
     grid.py       the cartesian grid, one fresh process per configuration, agreement and speedups
-    worker.py     one configuration measured in its own process (load, compile, TTFT, decode, memory)
-    interleave.py the default schedule: every configuration's process alive, timed round robin
+    worker.py     one configuration measured in its own process (run once, or served to interleave.py)
+    session.py    what a worker measures: load, compile, TTFT, decode, memory
+    llamacpp.py   the llama.cpp rows (gguf_export.py writes their files)
+    interleave.py worker processes; the default schedule: every one alive, timed round robin
     bandwidth.py  the machine's measured read ceiling, for effective GB/s as % of possible
     outputs.py    table, JSON, CSV, PNG and markdown
 
@@ -20,8 +22,8 @@ _LAZY = {
     "agreement": "grid",
     "environment": "grid",
     "table": "outputs",
-    "prompt_ids": "worker",
-    "time_generate": "worker",
+    "prompt_ids": "session",
+    "time_generate": "session",
     "run_one": "worker",
     "main": "cli",
 }

@@ -16,7 +16,7 @@ Types (GGUF_TYPES): norms are always F32, as llama.cpp keeps them.
           makes of our F16 file.
 A matrix whose rows are not a multiple of the 32-value block is written F16 (llama-quantize refuses it).
 
-Files are cached under $FFL_CACHE_DIR/gguf/ (models.DEFAULT_CACHE), keyed by the folder's config,
+Files are cached under $FFL_CACHE_DIR/gguf/ (paths.cache_dir), keyed by the folder's config,
 the sizes and mtimes of its weight and tokenizer files, the type and EXPORT_VERSION.
 """
 from __future__ import annotations
@@ -25,6 +25,8 @@ import hashlib
 import json
 import os
 from pathlib import Path
+
+from .. import paths
 
 GGUF_TYPES = ("F16", "Q8_0", "Q4_0")
 EXPORT_VERSION = 1  # part of the cache key: bump when what is written changes
@@ -62,14 +64,12 @@ def unsupported(folder: str | os.PathLike) -> str | None:
 def cached_path(folder: str | os.PathLike, gguf_type: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where the file for `folder` in `gguf_type` is cached; a change to the folder's config, weights or
     tokenizer (size or mtime) gives a new name, so a stale file is never reused."""
-    from ..models import DEFAULT_CACHE
-
     folder = Path(folder)
     files = sorted(p for p in folder.iterdir() if p.suffix == ".safetensors" or p.name == "tokenizer.json")
     key = json.dumps({"config": (folder / "config.json").read_text(), "type": gguf_type, "version": EXPORT_VERSION,
                       "files": [(p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in files]})
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    return Path(cache_dir or DEFAULT_CACHE) / "gguf" / f"{folder.name}-{gguf_type}-{digest}.gguf"
+    return Path(cache_dir or paths.cache_dir()) / "gguf" / f"{folder.name}-{gguf_type}-{digest}.gguf"
 
 
 def export(folder: str | os.PathLike, gguf_type: str, cache_dir: str | os.PathLike | None = None) -> Path:

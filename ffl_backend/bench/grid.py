@@ -17,17 +17,16 @@ import itertools
 import json
 import os
 import platform
-import re
 import shlex
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 
 from ..quant.config import PRESETS, SCHEMES
 from . import llamacpp
+from .interleave import fits_in_memory, run_worker, setup_order, time_interleaved
 
 BACKENDS = ("eager", "inductor", "fastflow", "llamacpp")
 DEFAULT_BACKENDS = BACKENDS[:3]  # llamacpp needs llama-cpp-python, an optional build: asked for by name
@@ -75,37 +74,11 @@ def label(cfg: dict) -> str:
     return f"{cfg['dtype']}{quant} {backend} b{cfg['batch']} p{cfg['prompt_len']}"
 
 
-def worker_env(cache_dir: str) -> dict:
-    """A worker's environment: its own Inductor and Triton cache folder."""
-    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
-            "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
-            # On by default in this torch; set so the warm run measures the caches, not a default.
-            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
-
-
-def _worker(cfg: dict, cache_dir: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "ffl_backend.bench.worker", json.dumps(cfg)],
-                          capture_output=True, text=True, env=worker_env(cache_dir))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        return {"error": error_line(proc.stderr or proc.stdout) or f"worker exited with {proc.returncode}"}
-    return json.loads(lines[-1])
-
-
-def error_line(text: str) -> str | None:
-    """The innermost exception of a worker's traceback. Dynamo appends advice lines after it and
-    wraps backend failures ("BackendCompilerFailed ... raised:" then the cause), so the last line
-    naming an exception type is the informative one."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    named = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt)\b", line)]
-    return (named or lines or [None])[-1]
-
-
 def run_isolated(cfg: dict, warm_compile: bool = True) -> dict:
     """One configuration: a cold process, then (compiled backends) a warm one on the same caches."""
     cache_dir = tempfile.mkdtemp(prefix="ffl-bench-")
     try:
-        return _with_warm_compile(cfg, _worker(cfg, cache_dir), cache_dir, warm_compile)
+        return _with_warm_compile(cfg, run_worker(cfg, cache_dir), cache_dir, warm_compile)
     finally:
         shutil.rmtree(cache_dir, ignore_errors=True)
 
@@ -115,7 +88,7 @@ def _with_warm_compile(cfg: dict, measured: dict, cache_dir: str, warm_compile: 
     (now warm) cache folder."""
     res = {**cfg, **measured, "compile_warm_s": None}
     if warm_compile and cfg["backend"] not in ("eager", "llamacpp") and "error" not in res:
-        warm = _worker({**cfg, "mode": "warm"}, cache_dir)
+        warm = run_worker({**cfg, "mode": "warm"}, cache_dir)
         if "error" in warm:
             res["error"] = "warm run: " + warm["error"]
         else:
@@ -126,8 +99,6 @@ def _with_warm_compile(cfg: dict, measured: dict, cache_dir: str, warm_compile: 
 def choose_schedule(requested: str, todo: list[dict], log=print) -> str:
     """`requested`, unless interleaving would hold more memory than the machine has: then sequential,
     said in the log (an out-of-memory kill would lose the whole grid)."""
-    from .interleave import fits_in_memory
-
     if requested == "interleaved":
         fits, figures = fits_in_memory(todo)
         if not fits:
@@ -150,8 +121,6 @@ def run_sequential(todo: list[dict], warm_compile: bool = True, bar=None) -> lis
 
 def run_interleaved(todo: list[dict], repeats: int, warm_compile: bool = True, bar=None) -> list[dict]:
     """Every configuration in its own process, all alive at once, timed round robin (interleave.py)."""
-    from .interleave import setup_order, time_interleaved
-
     cache_dirs = [tempfile.mkdtemp(prefix="ffl-bench-") for _ in todo]
     try:
         order = setup_order(todo)

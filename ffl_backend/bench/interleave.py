@@ -19,11 +19,36 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 
-from .grid import error_line, worker_env
+
+def worker_env(cache_dir: str) -> dict:
+    """A worker's environment: its own Inductor and Triton cache folder."""
+    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+            "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
+            # On by default in this torch; set so the warm run measures the caches, not a default.
+            "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
+
+
+def run_worker(cfg: dict, cache_dir: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "ffl_backend.bench.worker", json.dumps(cfg)],
+                          capture_output=True, text=True, env=worker_env(cache_dir))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        return {"error": error_line(proc.stderr or proc.stdout) or f"worker exited with {proc.returncode}"}
+    return json.loads(lines[-1])
+
+
+def error_line(text: str) -> str | None:
+    """The innermost exception of a worker's traceback. Dynamo appends advice lines after it and
+    wraps backend failures ("BackendCompilerFailed ... raised:" then the cause), so the last line
+    naming an exception type is the informative one."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt)\b", line)]
+    return (named or lines or [None])[-1]
 
 
 class WorkerProcess:

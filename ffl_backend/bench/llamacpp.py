@@ -7,7 +7,7 @@ float32 row), as are other schemes and batch > 1.
 
 Set-up is split so that the worker process holds llama.cpp alone and its runtime RSS is llama_cpp's
 import, not torch's: the parent (prepare) writes the GGUF file, tokenizes the prompt with the model's
-HF tokenizer (worker.prompt_ids, the ids the torch rows get), reads the file's per-token weight bytes
+HF tokenizer (session.prompt_ids, the ids the torch rows get), reads the file's per-token weight bytes
 and fixes the thread count (--threads, else torch's default, as the torch rows get).
 
 llama.cpp is driven through the bindings of its C API (model, context, llama_decode, as llama.cpp's
@@ -24,7 +24,7 @@ import logging
 import os
 import time
 
-from .worker import Session, current_rss_mb, summarize_runs
+from .session import Session, current_rss_mb, prompt_ids, summarize_runs
 
 GGUF_TYPES = {"none": "F16", "int8": "Q8_0", "int8-all": "Q8_0", "int4": "Q4_0", "int4-all": "Q4_0"}
 MISSING = ("llama-cpp-python is not installed (see README: pip install llama-cpp-python with "
@@ -73,7 +73,6 @@ def prepare(cfgs: list[dict], log=print) -> None:
     from transformers import AutoTokenizer
 
     from .gguf_export import cached_path, export, weight_bytes
-    from .worker import prompt_ids
 
     tokenizers = {}
     for cfg in cfgs:
@@ -141,7 +140,7 @@ def _next_token(ctx, ids: list[int], n_vocab: int) -> int:
 
 def time_generate(ctx, ids: list[int], new_tokens: int, n_vocab: int) -> dict:
     """One greedy generate of exactly `new_tokens` (EOS does not stop it), timed as
-    worker.time_generate times generate(): the first new token stamps TTFT, the decode rate is over
+    session.time_generate times generate(): the first new token stamps TTFT, the decode rate is over
     the tokens after it. The KV cache is cleared first, so every generate starts from nothing."""
     import llama_cpp
 
@@ -158,7 +157,7 @@ def time_generate(ctx, ids: list[int], new_tokens: int, n_vocab: int) -> dict:
 
 
 class LlamaCppSession(Session):
-    """worker.Session's protocol (warm-up, timed generates, summary) over a llama.cpp context, for a
+    """session.Session's protocol (warm-up, timed generates, summary) over a llama.cpp context, for a
     configuration prepare() has filled in."""
 
     def __init__(self, cfg: dict):

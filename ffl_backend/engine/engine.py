@@ -121,7 +121,7 @@ class OptimizedInferenceEngine:
                  device=None, block_size: int = 16, tokenizer=None, num_blocks: int | None = None,
                  cache_bytes: int | None = None, dtype=None, compile: str | None = "fastflow",
                  compile_options: dict | None = None, warmup: bool = True):
-        from . import attention
+        from . import hf_paged
         from .paged_cache import blocks_for, make_paged_cache
         from .runner import ModelRunner
 
@@ -130,9 +130,9 @@ class OptimizedInferenceEngine:
         model, tokenizer = _load(model_or_path, tokenizer, dtype)
         _check_supported(model.config)
         if quant is not None:
-            import ffl_backend
+            from ..quant.api import quantize
 
-            model = ffl_backend.quantize(model, quant)
+            model = quantize(model, quant)
         if device is not None:
             model.to(device)
         self.model, self.tokenizer = model.eval(), tokenizer
@@ -143,7 +143,7 @@ class OptimizedInferenceEngine:
             probe = make_paged_cache(model.config, 2, block_size, dtype, "meta")
             num_blocks = max(2, cache_bytes * 2 // probe.nbytes)
         self.num_blocks = num_blocks or max_batch_size * self.max_blocks + 1  # + the dummy block
-        self._prev_attn = attention.install(model)
+        self._prev_attn = hf_paged.install(model)
         self.cache = make_paged_cache(model.config, self.num_blocks, block_size, dtype,
                                       next(model.parameters()).device)
         self.runner = ModelRunner(model, self.cache, max_batch_size, self.max_blocks, compile, compile_options)
@@ -182,13 +182,13 @@ class OptimizedInferenceEngine:
             sched._finish(req, "error", "engine closed")
 
     def close(self) -> None:
-        from . import attention
+        from . import hf_paged
 
         with self._lock:
             self._stop = True
             self._lock.notify()
         self._thread.join()
-        attention.uninstall(self.model, self._prev_attn)
+        hf_paged.uninstall(self.model, self._prev_attn)
 
     def __enter__(self):
         return self
@@ -326,7 +326,7 @@ def _eos_ids(model, tokenizer) -> list[int]:
 
 def _check_supported(config) -> None:
     """What the paged attention does not implement yet: refuse at construction, not mid-request."""
-    from ..attention.hf import has_sliding_layers
+    from ..hf_attention import has_sliding_layers
 
     cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if has_sliding_layers(config):

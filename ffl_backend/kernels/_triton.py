@@ -34,9 +34,10 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def use_triton(t) -> bool:
-    """Kernels launch for CUDA tensors, or for CPU tensors under the Triton interpreter."""
-    return HAS_TRITON and (t.device.type == "cuda" or (interpreting() and t.device.type == "cpu"))
+def on_triton_device(t) -> bool:
+    """Every op's one dispatch test: its Triton kernel serves `t`'s device (CUDA, where Triton is
+    installed); any other device takes the op's CPU path."""
+    return HAS_TRITON and t.device.type == "cuda"
 
 
 def row_block(n: int) -> int:

@@ -13,11 +13,7 @@ import os
 import sys
 from importlib import import_module
 
-# Kernel modules with `aot_specs()`; the quantization and attention packages add theirs here.
-AOT_MODULES = ("ffl_backend.kernels.rms_norm", "ffl_backend.kernels.layer_norm",
-               "ffl_backend.kernels.gated_act", "ffl_backend.kernels.rotary",
-               "ffl_backend.kernels.gelu_residual", "ffl_backend.kernels.triton_quant",
-               "ffl_backend.attention.prefill", "ffl_backend.attention.decode")
+from . import triton_modules
 
 # Hopper allows 227 KiB of shared memory per block, Ampere (A100) 163 KiB.
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
@@ -36,8 +32,9 @@ def compile_spec(spec, arch: int) -> dict:
             "ok": shared <= SHARED_LIMIT[arch], "wgmma": "wgmma" in compiled.asm["ptx"]}
 
 
-def collect_specs(modules=AOT_MODULES):
+def collect_specs(modules=None):
     specs = []
+    modules = triton_modules() if modules is None else modules
     for name in modules:
         specs.extend(import_module(name).aot_specs())
     return specs
@@ -56,13 +53,13 @@ def _compile_job(job) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", type=int, nargs="+", default=[80, 90])
-    parser.add_argument("--module", nargs="*", default=list(AOT_MODULES))
+    parser.add_argument("--module", nargs="*", help="op modules (default: every one with Triton kernels)")
     parser.add_argument("--json", help="write one record per compiled config here")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="compile processes")
     args = parser.parse_args(argv)
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
-    jobs = [(module, i, arch) for module in args.module
+    jobs = [(module, i, arch) for module in (args.module or triton_modules())
             for i, spec in enumerate(import_module(module).aot_specs())
             for arch in args.arch if arch >= spec.min_arch]
     if args.jobs > 1:

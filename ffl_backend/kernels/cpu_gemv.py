@@ -38,6 +38,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from .. import paths
+
 logger = logging.getLogger(__name__)
 
 # One library, fastflow_cpu: the GEMVs, decode attention (cpu_attention.cpp, the reference is
@@ -126,9 +128,7 @@ def int4_gemv_ref(x: Tensor, packed: Tensor, scale_zeros: Tensor, bias: Optional
 
 
 def _cache_dir() -> Path:
-    from ..models import DEFAULT_CACHE
-
-    return Path(DEFAULT_CACHE) / "cpu_kernels"
+    return paths.cache_dir() / "cpu_kernels"
 
 
 def _compiler() -> str:

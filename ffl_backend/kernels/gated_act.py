@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ._triton import rows_2d, AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, ptr, tl, triton
+from ._triton import AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, on_triton_device, ptr, rows_2d, tl, triton
 
 # The constexpr ACT selector values. `approximate` strings are F.gelu's.
 ACT_SILU, ACT_GELU, ACT_GELU_TANH = 0, 1, 2
@@ -120,14 +120,14 @@ def gelu_mul_triton(gate: Tensor, up: Tensor, approximate: str = "none") -> Tens
 
 @torch.library.triton_op("fastflow::silu_mul", mutates_args=())
 def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-    if HAS_TRITON and gate.device.type == "cuda":
+    if on_triton_device(gate):
         return silu_mul_triton(gate, up)
     return silu_mul_ref(gate, up)
 
 
 @torch.library.triton_op("fastflow::gelu_mul", mutates_args=())
 def gelu_mul(gate: Tensor, up: Tensor, approximate: str = "none") -> Tensor:
-    if HAS_TRITON and gate.device.type == "cuda":
+    if on_triton_device(gate):
         return gelu_mul_triton(gate, up, approximate)
     return gelu_mul_ref(gate, up, approximate)
 

@@ -23,7 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._triton import AOT_DTYPES, HAS_TRITON, AotSpec, launch, ptr, tl, triton
+from ._triton import AOT_DTYPES, HAS_TRITON, AotSpec, launch, on_triton_device, ptr, tl, triton
 
 APPROXIMATIONS = ("none", "tanh")  # F.gelu's names: "none" = exact erf form, "tanh" = GPT-2's
 # Elementwise: 1024 elements per program, 8 per thread at 4 warps (two 128-bit bf16 vectors).
@@ -133,7 +133,7 @@ def gelu_residual_triton(x: Tensor, bias: Optional[Tensor], residual: Optional[T
 @torch.library.triton_op("fastflow::gelu_residual", mutates_args=())
 def gelu_residual(x: Tensor, bias: Optional[Tensor], residual: Optional[Tensor],
                   approximate: str) -> Tensor:
-    if HAS_TRITON and x.device.type == "cuda":
+    if on_triton_device(x):
         return gelu_residual_triton(x, bias, residual, approximate)
     return gelu_residual_ref(x, bias, residual, approximate)
 

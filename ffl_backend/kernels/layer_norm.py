@@ -18,8 +18,18 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ._triton import (AotSpec, HAS_TRITON, launch, row_block, row_kernel_specs, row_warps, rows_2d,
-                      tl, triton)
+from ._triton import (
+    HAS_TRITON,
+    AotSpec,
+    launch,
+    on_triton_device,
+    row_block,
+    row_kernel_specs,
+    row_warps,
+    rows_2d,
+    tl,
+    triton,
+)
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
@@ -124,7 +134,7 @@ def layer_norm_triton(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor
 
 @torch.library.triton_op("fastflow::layer_norm", mutates_args=())
 def layer_norm(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor], eps: float) -> Tensor:
-    if HAS_TRITON and x.device.type == "cuda":
+    if on_triton_device(x):
         return layer_norm_triton(x, weight, bias, eps)
     return layer_norm_ref(x, weight, bias, eps)
 

@@ -56,11 +56,6 @@ def prepack(w: Tensor, batch_hint: int = 1) -> Tensor:
         "onednn", w, lambda w: torch.ops.mkldnn._reorder_linear_weight(w.detach(), max(1, int(batch_hint))))
 
 
-def clear_packed_weights() -> None:
-    """Drop every cached packed weight (they are rebuilt on demand)."""
-    weight_cache.clear("onednn")
-
-
 def packed_linear_ref(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return F.linear(x, weight, bias)
 

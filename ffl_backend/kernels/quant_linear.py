@@ -1,8 +1,8 @@
 """Quantized linears: `torch.ops.fastflow.int8_linear`, `int4_linear`, `w8a8_linear`, `fp8_linear`.
 
-Each op has a pure-torch reference (`*_ref`, built on ffl_backend.quant.primitives), a CPU path and,
+Each op has a pure-torch reference (`*_ref`, built on ffl_backend.numerics), a CPU path and,
 for CUDA tensors, a Triton launcher from `triton_quant` (imported lazily inside the CUDA branch, so
-this module works on machines and checkouts without it). Layouts: see quant/primitives.py.
+this module works on machines and checkouts without it). Layouts: see numerics.py.
 
 CPU paths, measured at batch 1 on SmolLM2's shapes (1536x576 and 576x1536, 1 thread of a shared
 2-core AVX-512/AMX machine, µs per call; fp32 F.linear 248/171, bf16 F.linear 242/159):
@@ -35,9 +35,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..quant import primitives as P
+from .. import numerics as P
 from . import cpu_gemv
-from ._triton import HAS_TRITON, rows_2d
+from ._triton import on_triton_device, rows_2d
 
 # torch's CPU int4 kernel accepts only these group sizes, and N in multiples of 16.
 INT4_CPU_GROUPS = (32, 64, 128, 256)
@@ -60,6 +60,16 @@ def _finish(y2d: Tensor, x: Tensor, bias: Optional[Tensor]) -> Tensor:
 
 # --- references -----------------------------------------------------------------------------------
 
+def smoothed_rows(x: Tensor, smooth: Optional[Tensor]) -> Tensor:
+    """x as (M, K) rows, times SmoothQuant's `smooth` (K,) in the accumulation dtype: the one order of
+    operations of the reference and of every device path. Multiplying in bf16 instead rounds x * smooth
+    to 8 bits before quantization, which moves int8 codes (up to 127) by one and more."""
+    x2d = x.reshape(-1, x.shape[-1])
+    if smooth is None:
+        return x2d
+    return x2d.to(_acc(x)) * smooth.to(_acc(x))
+
+
 def int8_linear_ref(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     acc = _acc(x)
     w = P.dequantize_int8(qweight, scale, acc)
@@ -77,10 +87,7 @@ def w8a8_linear_ref(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Option
                     bias: Optional[Tensor] = None, smooth: Optional[Tensor] = None) -> Tensor:
     """`smooth` (K,) multiplies x before quantization (SmoothQuant's 1/s when it could not be folded
     into the previous norm); `x_scale` None = dynamic per-token scales."""
-    x2d = x.reshape(-1, x.shape[-1])
-    if smooth is not None:
-        x2d = x2d.to(_acc(x)) * smooth.to(_acc(x))
-    qx, xs = P.quantize_act_int8(x2d, x_scale)
+    qx, xs = P.quantize_act_int8(smoothed_rows(x, smooth), x_scale)
     acc = qx.to(torch.float64) @ qweight.to(torch.float64).T  # exact, like the int32 accumulator
     return _finish(acc.to(_acc(x)) * xs.to(_acc(x)) * w_scale.to(_acc(x)), x, bias)
 
@@ -199,25 +206,30 @@ def int4_cpu_linear(x: Tensor, packed: Tensor, scale_zeros: Tensor, group_size: 
 
 def _w8a8_cpu(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Optional[Tensor],
               bias: Optional[Tensor], smooth: Optional[Tensor]) -> Tensor:
-    x2d = x.reshape(-1, x.shape[-1]).float()
-    if smooth is not None:
-        x2d = x2d * smooth.float()
-    qx, xs = P.quantize_act_int8(x2d, x_scale)
+    qx, xs = P.quantize_act_int8(smoothed_rows(x, smooth).float(), x_scale)
     acc = torch._int_mm(qx, qweight.T)  # (K, N) view of the row-major weight: no copy
     return _finish(acc.float() * xs * w_scale.float(), x, bias)
 
 
 # --- ops ------------------------------------------------------------------------------------------
 
-def _cuda(x: Tensor) -> bool:
-    return HAS_TRITON and x.device.type == "cuda"
+def w8a8_triton(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Optional[Tensor] = None,
+                bias: Optional[Tensor] = None, smooth: Optional[Tensor] = None) -> Tensor:
+    """The CUDA path of `w8a8_linear` (also runs on CPU tensors under TRITON_INTERPRET, for tests).
+    With `smooth` the kernels get the fp32 product `smoothed_rows` makes and return fp32, rounded
+    once to x's dtype here: the reference's single rounding after the bias add."""
+    from .triton_quant import w8a8_linear_triton
+
+    x2d = rows_2d(x) if smooth is None else smoothed_rows(x, smooth)
+    y = w8a8_linear_triton(x2d, qweight, w_scale, x_scale, bias).to(x.dtype)
+    return y.reshape(*x.shape[:-1], qweight.shape[0])
 
 
 @torch.library.triton_op("fastflow::int8_linear", mutates_args=())
 def int8_linear(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor] = None,
                 cpu_scale: Optional[Tensor] = None) -> Tensor:
     """`cpu_scale`: `scale` in bf16 for the CPU kernel, when `scale` is not bf16 already."""
-    if _cuda(x):
+    if on_triton_device(x):
         from .triton_quant import int8_linear_triton
 
         y = int8_linear_triton(rows_2d(x), qweight, scale, bias)
@@ -230,7 +242,7 @@ def int4_linear(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, group_s
                 bias: Optional[Tensor] = None, cpu_packed: Optional[Tensor] = None,
                 cpu_scale_zeros: Optional[Tensor] = None) -> Tensor:
     """`cpu_packed`/`cpu_scale_zeros`: a CPU form from `int4_cpu_form` (None -> reference)."""
-    if _cuda(x):
+    if on_triton_device(x):
         from .triton_quant import int4_linear_triton
 
         y = int4_linear_triton(rows_2d(x), qweight, scale, zero, group_size, bias)
@@ -243,18 +255,14 @@ def int4_linear(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, group_s
 @torch.library.triton_op("fastflow::w8a8_linear", mutates_args=())
 def w8a8_linear(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Optional[Tensor] = None,
                 bias: Optional[Tensor] = None, smooth: Optional[Tensor] = None) -> Tensor:
-    if _cuda(x):
-        from .triton_quant import w8a8_linear_triton
-
-        x2d = rows_2d(x) if smooth is None else rows_2d(x) * smooth.to(x.dtype)
-        y = w8a8_linear_triton(x2d, qweight, w_scale, x_scale, bias)
-        return y.reshape(*x.shape[:-1], qweight.shape[0])
+    if on_triton_device(x):
+        return w8a8_triton(x, qweight, w_scale, x_scale, bias, smooth)
     return _w8a8_cpu(x, qweight, w_scale, x_scale, bias, smooth)
 
 
 @torch.library.triton_op("fastflow::fp8_linear", mutates_args=())
 def fp8_linear(x: Tensor, qweight: Tensor, w_scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    if _cuda(x):
+    if on_triton_device(x):
         from .triton_quant import fp8_linear_triton
 
         y = fp8_linear_triton(rows_2d(x), qweight, w_scale, bias)

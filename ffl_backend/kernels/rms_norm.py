@@ -15,8 +15,18 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import (AotSpec, HAS_TRITON, launch, row_block, row_kernel_specs, row_warps, rows_2d,
-                      tl, triton)
+from ._triton import (
+    HAS_TRITON,
+    AotSpec,
+    launch,
+    on_triton_device,
+    row_block,
+    row_kernel_specs,
+    row_warps,
+    rows_2d,
+    tl,
+    triton,
+)
 
 
 def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
@@ -119,7 +129,7 @@ def add_rms_norm_triton(x: Tensor, residual: Tensor, weight: Tensor, eps: float,
 @torch.library.triton_op("fastflow::rms_norm", mutates_args=())
 def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
              weight_in_fp32: bool = False) -> Tensor:
-    if HAS_TRITON and x.device.type == "cuda":
+    if on_triton_device(x):
         return rms_norm_triton(x, weight, eps, offset, weight_in_fp32)
     return rms_norm_ref(x, weight, eps, offset, weight_in_fp32)
 
@@ -127,7 +137,7 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
 @torch.library.triton_op("fastflow::add_rms_norm", mutates_args=())
 def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
                  weight_in_fp32: bool = False) -> tuple[Tensor, Tensor]:
-    if HAS_TRITON and x.device.type == "cuda":
+    if on_triton_device(x):
         return add_rms_norm_triton(x, residual, weight, eps, offset, weight_in_fp32)
     return add_rms_norm_ref(x, residual, weight, eps, offset, weight_in_fp32)
 

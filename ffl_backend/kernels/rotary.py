@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._triton import AOT_DTYPES, HAS_TRITON, AotSpec, launch, ptr, tl, triton
+from ._triton import AOT_DTYPES, HAS_TRITON, AotSpec, launch, on_triton_device, ptr, tl, triton
 
 # Head dims of the supported families (64: SmolLM2/Pythia, 80: Phi-2, 96: Phi-3-mini,
 # 128: Llama/Mistral/Qwen, 256: Gemma); each maps to a power-of-two block of the head dim.
@@ -162,7 +162,7 @@ def rotary_triton(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, rotary_dim: in
 
 @torch.library.triton_op("fastflow::rotary", mutates_args=())
 def rotary(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, rotary_dim: int) -> tuple[Tensor, Tensor]:
-    if HAS_TRITON and q.device.type == "cuda":
+    if on_triton_device(q):
         return rotary_triton(q, k, cos, sin, rotary_dim)
     return rotary_ref(q, k, cos, sin, rotary_dim)
 

@@ -26,8 +26,20 @@ import inspect
 import torch
 from torch import Tensor
 
-from ._triton import (AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, interpreting, launch, ptr, row_block,
-                      row_warps, rows_2d, tl, triton)
+from ._triton import (
+    AOT_DTYPES,
+    AOT_ROW_SIZES,
+    HAS_TRITON,
+    AotSpec,
+    interpreting,
+    launch,
+    ptr,
+    row_block,
+    row_warps,
+    rows_2d,
+    tl,
+    triton,
+)
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps). num_stages stays Triton's default (3), as in the AOT run.
 GEMV_CONFIG = (16, 32, 128, 4)
@@ -250,7 +262,8 @@ if HAS_TRITON:
                 a = tl.minimum(tl.maximum(tl.div_rn(a.to(tl.float32), a_scale), -127.0), 127.0)
                 a = _rint(a).to(tl.int8)
             w = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
-            acc = tl.dot(a, w, acc)
+            # out_dtype named: triton 3.6 defaults it to fp32 and rejects the int32 accumulator
+            acc = tl.dot(a, w, acc, out_dtype=acc.dtype)
         if A_STATIC:
             row_scale = a_scale
         else:

@@ -33,9 +33,3 @@ def derived(kind: str, w: Tensor, make) -> Tensor:
         weakref.finalize(w, _cache.pop, key, None)
     return value
 
-
-def clear(kind: str | None = None) -> None:
-    """Drop cached derived tensors (of one kind, or all); they are rebuilt on demand."""
-    with _lock:
-        for key in [k for k in _cache if kind is None or k[0] == kind]:
-            del _cache[key]

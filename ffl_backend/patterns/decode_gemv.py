@@ -15,7 +15,7 @@ The hand-written kernel (kernels/cpu_gemv.cpp; option `cpu_gemv`, default "auto"
 prefetches ahead into L1 and L2, which Inductor's loop cannot, and streams int8 weights 1.3-3x faster. Decode
 tok/s, Inductor loop -> kernel, in one process (benchmarks/ab_decode.py, option cpu_gemv "loops" vs
 default; benchmarks/results/cpu_gemv_ab_cpu.json): int8 70 -> 98, int8-all 73 -> 103, bf16 52 -> 69,
-fp32 56 -> 75. Siblings reading one row (q/k/v, gate/up) become one call (gemv_kernel.py). Where the
+fp32 56 -> 75. Siblings reading one row (q/k/v, gate/up) become one call (decode_gemv_calls.py). Where the
 kernel cannot be built the family keeps the multiply + sum loops, described next.
 
 So the family takes bf16 linears, `fastflow.int8_linear` (weight-only int8; the scale multiplies
@@ -46,8 +46,8 @@ from torch import Tensor
 
 from ..kernels import cpu_gemv, weight_cache
 from . import fx_utils as U
-from .cpu_linear import _weight_tensor
-from .gemv_kernel import KernelGemv, emit_kernel_calls
+from .decode_gemv_calls import KernelGemv, emit_kernel_calls
+from .packed_linear import _weight_tensor
 
 COMPACT_PREFIX = "_fastflow_bf16_weight"
 
@@ -168,7 +168,7 @@ def _reads_as_bf16(ctx, x, w: Optional[Tensor]) -> bool:
 
 def kernel_reads_siblings(ctx, x, weights, biases) -> bool:
     """Whether this family will hand every one of these linears of the row `x` to the kernel, which
-    reads siblings in one call (gemv_kernel.py) -- so fusing them first would only copy weights."""
+    reads siblings in one call (decode_gemv_calls.py) -- so fusing them first would only copy weights."""
     if not (ctx.options.inductor and "decode_gemv" in ctx.options.patterns):
         return False
     for w, b in zip(weights, biases):

@@ -65,11 +65,6 @@ def dtype_of(node):
     return v.dtype if isinstance(v, torch.Tensor) else None
 
 
-def cast_source(node):
-    """If `node` is a dtype cast, the node it casts; else None."""
-    return node.args[0] if is_op(node, "cast") else None
-
-
 def strip_casts(node):
     """Follow dtype casts back to the first non-cast node."""
     while is_op(node, "cast"):

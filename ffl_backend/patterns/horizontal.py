@@ -7,7 +7,7 @@ At batch 1 each linear is a GEMV dominated by fixed per-call cost, so 5 calls pe
 The concatenation is constant-folded here, once, at compile time, and attached to the graph module
 as a constant. Parameters cannot be re-pointed from inside a compile (AOT autograd re-checks their
 storage offsets against Dynamo's record), so a plain backend compile holds a fused copy of those
-weights. `share_fused_storage(model)` (called by `ffl_backend.optimize`) makes the projections
+weights. `quant.weight_layout.share_fused_storage(model)` (called by `ffl_backend.optimize`) makes the projections
 views of one tensor beforehand; the pass then finds that tensor and copies nothing.
 
 Where the CPU decode kernel will take the siblings (single-row bf16 or bf16-exact fp32 linears,
@@ -23,10 +23,10 @@ from collections import defaultdict
 import torch
 import torch.fx as fx
 
+from ..quant.weight_layout import shared_base
 from . import fx_utils as U
 from .decode_gemv import kernel_reads_siblings
-from .int4_siblings import fuse_int4_siblings
-from .siblings import shared_base, sibling_groups
+from .horizontal_int4 import fuse_int4_siblings
 
 FUSED_PREFIX = "_fastflow_fused_weight"
 
@@ -55,7 +55,7 @@ def _fuse_tensors(tensors):
 
 def horizontal_pass(gm: fx.GraphModule, ctx) -> int:
     """Fuse every group of >= 2 parameter linears reading the same input (same dtype, bias-ness),
-    and likewise CPU int4 linears (int4_siblings)."""
+    and likewise CPU int4 linears (horizontal_int4.py)."""
     return _fuse_dense(gm, ctx) + fuse_int4_siblings(gm, ctx)
 
 
@@ -94,29 +94,3 @@ def _fuse_dense(gm: fx.GraphModule, ctx) -> int:
         U.erase_dead(graph, nodes)
         count += 1
     return count
-
-
-@torch.no_grad()
-def _share(params) -> None:
-    fused = torch.cat([p.detach() for p in params], dim=0)
-    start = 0
-    for p in params:
-        p.data = fused[start:start + p.shape[0]]
-        start += p.shape[0]
-
-
-@torch.no_grad()
-def share_fused_storage(model: torch.nn.Module) -> int:
-    """Re-point sibling projections (q/k/v, gate/up) to consecutive slices of one tensor, so the
-    horizontal pass uses that tensor as the fused weight and copies nothing. Values and parameter
-    objects are unchanged; returns the number of groups shared. Call before compiling."""
-    groups = 0
-    for linears in sibling_groups(model, torch.nn.Linear):
-        if len({(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in linears}) != 1:
-            continue
-        if shared_base([m.weight for m in linears]) is None:
-            _share([m.weight for m in linears])
-            if linears[0].bias is not None:
-                _share([m.bias for m in linears])
-        groups += 1
-    return groups

@@ -1,8 +1,5 @@
-"""The pass manager: runs the enabled pattern families over a Dynamo graph, in a fixed order.
-
-Order matters: horizontal fusion first (it changes which linears feed the gates), then norms (the
-residual-add fold needs the RMSNorm op in place), then activations, then rotary, then the CPU
-linears: single-row GEMVs first (decode_gemv), the rest pre-packed (packed_linear). Each family runs on a copy-on-failure basis: if a pass raises, the graph is
+"""The pass manager: runs the enabled pattern families over a Dynamo graph, in the registry's
+order (registry.py). Each family runs on a copy-on-failure basis: if a pass raises, the graph is
 restored to its state before that pass.
 """
 from __future__ import annotations
@@ -13,33 +10,18 @@ from collections import Counter
 import torch
 import torch.fx as fx
 
-from . import activations, cpu_linear, decode_attention, decode_gemv, horizontal, norms, rotary
+from .fx_utils import fastflow_op_name, is_op
+from .registry import PATTERN_FAMILIES, pass_function
 
 logger = logging.getLogger("ffl_backend")
-
-PASSES = {
-    "horizontal": horizontal.horizontal_pass,
-    "rms_norm": norms.rms_norm_pass,
-    "add_rms_norm": norms.add_rms_norm_pass,
-    "layer_norm": norms.layer_norm_pass,
-    "gated_act": activations.gated_act_pass,
-    "gelu": activations.gelu_pass,
-    "rotary": rotary.rotary_pass,
-    "decode_attention": decode_attention.decode_attention_pass,
-    "decode_gemv": decode_gemv.decode_gemv_pass,
-    "packed_linear": cpu_linear.packed_linear_pass,
-}
-
 
 class PassContext:
     """What passes may know about the graph beyond its nodes: the real input tensors."""
 
-    def __init__(self, gm: fx.GraphModule, example_inputs, report, options=None):
-        from ..config import BackendOptions
-
+    def __init__(self, gm: fx.GraphModule, example_inputs, report, options):
         self.gm = gm
         self.report = report
-        self.options = options if options is not None else BackendOptions()
+        self.options = options
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.inputs = {n: t for n, t in zip(placeholders, example_inputs) if isinstance(t, torch.Tensor)}
 
@@ -60,12 +42,12 @@ class PassContext:
 
 
 def run_passes(gm: fx.GraphModule, example_inputs, report, options) -> fx.GraphModule:
-    """Apply each family in `options.patterns` (in PASSES order); fill `report.matches` / `fallbacks`."""
+    """Apply each family in `options.patterns` (in the registry's order); fill `report.matches` / `fallbacks`."""
     ctx = PassContext(gm, example_inputs, report, options)
-    for family in (f for f in PASSES if f in options.patterns):
+    for family in (f for f in PATTERN_FAMILIES if f in options.patterns):
         saved = _snapshot(gm.graph)
         try:
-            report.matches[family] += PASSES[family](gm, ctx)
+            report.matches[family] += pass_function(family)(gm, ctx)
             gm.graph.lint()
         except Exception as exc:  # a broken pattern must never break the user's model
             if options.on_error == "raise":
@@ -97,8 +79,6 @@ def _snapshot(graph: fx.Graph) -> fx.Graph:
 def fastflow_op_counts(gm: fx.GraphModule) -> Counter:
     """fastflow op name -> number of call sites in `gm` (overloads and overload packets alike:
     modules may call `torch.ops.fastflow.x(...)` as well as `.default`)."""
-    from .fx_utils import fastflow_op_name
-
     return Counter(name for node in gm.graph.nodes if (name := fastflow_op_name(node)))
 
 
@@ -108,6 +88,4 @@ ANCHORS = ("rsqrt", "layer_norm", "silu", "gelu", "tanh")
 
 def unfused_anchor_counts(gm: fx.GraphModule) -> Counter:
     """How many anchor ops (rsqrt, silu, ...) remain in `gm`: zero when every site was fused."""
-    from .fx_utils import is_op
-
     return Counter(name for node in gm.graph.nodes for name in ANCHORS if is_op(node, name))

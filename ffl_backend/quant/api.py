@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from . import calibration
-from .config import QuantConfig, resolve, resolve_steps
+from .config import QuantConfig, resolve_steps
 from .file_pages import copy_out_of_file_mappings, file_mappings, page_out, release_free_heap
 from .modules import MODULES, Int8Embedding, Int8Linear, QuantizedModule
+from .weight_layout import share_sibling_packs
 
 logger = logging.getLogger("ffl_backend")
 
@@ -193,9 +194,7 @@ def _dynamic_fallbacks(cfg: QuantConfig, token_absmax: dict) -> set:
 
 def share_cpu_forms(model: nn.Module) -> None:
     """Lay out the CPU forms of sibling quantized linears so compiled code can read them as one
-    tensor without a fused copy (int4 packs, patterns/int4_siblings.py). After quantizing or loading."""
-    from ..patterns.int4_siblings import share_sibling_packs
-
+    tensor without a fused copy (int4 packs, patterns/horizontal_int4.py). After quantizing or loading."""
     share_sibling_packs(model)
 
 

@@ -9,7 +9,7 @@ the columns not yet rounded. The rows of the upper Cholesky factor of H^-1 give 
 restricted inverses, so one factorisation serves every column. Updates are applied lazily per block
 of columns (one matmul per block instead of one rank-1 update of the whole matrix per column).
 
-The grid is exactly round-to-nearest's (primitives.int4_scale_zero / quantize_int8): a group's scale
+The grid is exactly round-to-nearest's (numerics.int4_scale_zero / quantize_int8): a group's scale
 and zero point are chosen when quantization reaches its first column, from the weights as updated
 by the errors of the columns before it. So the result is the same layout (codes, scale, zero per
 group) that Int4Linear / Int8Linear store, and kernels and save/load are unchanged.
@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from . import primitives as P
+from .. import numerics as P
 from .calibration import as_batches
 
 logger = logging.getLogger("ffl_backend")

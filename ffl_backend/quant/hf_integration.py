@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING, register_quantization_config, register_quantizer
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin

@@ -17,7 +17,7 @@ import json
 import torch
 from torch import nn
 
-from . import primitives as P
+from .. import numerics as P
 from .api import _keep_reason, select_linears
 from .calibration import as_batches
 from .config import resolve

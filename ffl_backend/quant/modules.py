@@ -1,7 +1,7 @@
 """Quantized replacements for nn.Linear. Each forward is exactly one `torch.ops.fastflow.*` call, so
 a compiled graph holds one opaque-to-Dynamo, visible-to-Inductor op per linear.
 
-Persistent buffers are the canonical layouts (quant/primitives.py) and are what gets saved.
+Persistent buffers are the canonical layouts (numerics.py) and are what gets saved.
 Non-persistent `cpu_*` buffers hold what torch's CPU kernels want instead (a bf16 scale, torch's
 own int4 packing); `finalize()` derives them once, after quantizing or loading, never per step.
 On CPU an int4 module keeps its codes only in torch's packing where they can be read back from it
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
+from .. import numerics as P
 from ..kernels import quant_linear as K
-from . import primitives as P
 from .config import QuantConfig
 
 ALIGN = 64  # bytes: a cache line, and what torch's CPU allocator gives
@@ -143,7 +143,7 @@ class Int4Linear(QuantizedLinear):
             self.qweight = torch.zeros((), dtype=torch.uint8).expand(self.out_features, self.in_features // 2)
 
     def portable_qweight(self) -> Tensor:
-        """The (N, K/2) codes in the portable layout (quant/primitives.py), wherever they are kept."""
+        """The (N, K/2) codes in the portable layout (numerics.py), wherever they are kept."""
         if is_stand_in(self.qweight):
             return K.int4_cpu_codes(self.cpu_packed, self.out_features, self.in_features)
         return self.qweight

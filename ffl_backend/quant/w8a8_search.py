@@ -36,7 +36,7 @@ import math
 import torch
 from torch import Tensor, nn
 
-from . import primitives as P
+from .. import numerics as P
 from .calibration import InputGroup, as_batches, smoothing_factors
 
 logger = logging.getLogger("ffl_backend")

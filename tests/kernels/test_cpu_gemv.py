@@ -188,8 +188,8 @@ def test_graphs_that_need_gradients_keep_the_loops():
 def test_eager_int8_single_rows_take_the_kernel(dtype):
     """Eager `fastflow.int8_linear` on one row runs the kernel (fp32 math: the reference's numerics);
     several rows, and plain Inductor graphs, keep torch's int8 kernel."""
+    from ffl_backend import numerics as P
     from ffl_backend.kernels.quant_linear import int8_linear_ref
-    from ffl_backend.quant import primitives as P
 
     w, b = torch.randn(40, 96, dtype=dtype), torch.randn(40, dtype=dtype)
     q, s = P.quantize_int8(w)
@@ -209,7 +209,7 @@ def test_grouping_hoists_a_later_members_constant_weight():
     fused weight can be): the grouped call goes before the first, so that constant moves up."""
     import torch.fx as fx
 
-    from ffl_backend.patterns.gemv_kernel import KernelGemv, emit_kernel_calls
+    from ffl_backend.patterns.decode_gemv_calls import KernelGemv, emit_kernel_calls
 
     gm = fx.GraphModule(torch.nn.Module(), fx.Graph())
     gm.w1, gm.w2 = torch.randn(8, 16).bfloat16(), torch.randn(4, 16).bfloat16()

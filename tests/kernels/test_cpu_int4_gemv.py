@@ -3,11 +3,10 @@ reference equality on odd shapes and dtypes, opcheck, clear errors, and its use 
 import pytest
 import torch
 
-import ffl_backend
+from ffl_backend import numerics as P
 from ffl_backend.generation import configure_generate
 from ffl_backend.kernels import cpu_gemv
 from ffl_backend.kernels.quant_linear import int4_cpu_linear, int4_cpu_pack, int4_cpu_scale_zeros
-from ffl_backend.quant import primitives as P
 from tests.helpers import assert_matches_reference
 from tests.tiny_models import LAYERS
 

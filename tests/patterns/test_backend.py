@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import ffl_backend
-from ffl_backend.patterns import manager
+from ffl_backend.patterns import norms
 
 
 def rms(x, w):
@@ -33,7 +33,7 @@ def test_broken_pattern_falls_back_to_the_original_graph(monkeypatch, caplog, in
                 node.target = torch.neg
         raise RuntimeError("boom")
 
-    monkeypatch.setitem(manager.PASSES, "rms_norm", broken)
+    monkeypatch.setattr(norms, "rms_norm_pass", broken)
     x, w = torch.randn(4, 32), torch.nn.Parameter(torch.randn(32))
     with caplog.at_level(logging.WARNING, logger="ffl_backend"):
         out = _compile(rms, inductor=inductor)(x, w)  # Inductor: the restored graph must compile
@@ -48,7 +48,7 @@ def test_on_error_raise_surfaces_pattern_bugs(monkeypatch):
     def broken(gm, ctx):
         raise RuntimeError("boom")
 
-    monkeypatch.setitem(manager.PASSES, "rms_norm", broken)
+    monkeypatch.setattr(norms, "rms_norm_pass", broken)
     with pytest.raises(Exception, match="boom"):
         _compile(rms, on_error="raise")(torch.randn(4, 32), torch.nn.Parameter(torch.randn(32)))
 

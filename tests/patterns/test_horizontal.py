@@ -3,6 +3,7 @@ import torch
 
 import ffl_backend
 from ffl_backend.patterns import horizontal
+from ffl_backend.quant.weight_layout import share_fused_storage
 from tests.tiny_models import LAYERS, tiny_model
 
 
@@ -20,7 +21,7 @@ def test_share_fused_storage_keeps_values_and_avoids_copies(monkeypatch):
     with torch.no_grad():
         ref = model(ids).logits
     params_before = {n: p for n, p in model.named_parameters()}
-    assert horizontal.share_fused_storage(model) == 2 * LAYERS
+    assert share_fused_storage(model) == 2 * LAYERS
     assert {n: p for n, p in model.named_parameters()}.keys() == params_before.keys()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref, rtol=0, atol=0)
@@ -63,7 +64,7 @@ def test_shared_storage_model_still_saves_and_reloads(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = tiny_model("llama")
-    horizontal.share_fused_storage(model)
+    share_fused_storage(model)
     model.save_pretrained(tmp_path)
     again = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     ids = torch.randint(3, 128, (1, 5))

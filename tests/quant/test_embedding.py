@@ -7,10 +7,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import ffl_backend
 from ffl_backend.generation import configure_generate
+from ffl_backend.numerics import sqnr
 from ffl_backend.quant import QuantConfig, load_quantized, save_quantized
 from ffl_backend.quant.hf_integration import register_with_transformers
 from ffl_backend.quant.modules import Int8Embedding, Int8Linear
-from ffl_backend.quant.primitives import sqnr
 from tests.tiny_models import COMMON, tiny_model
 
 ALL_INT8 = QuantConfig("int8", skip=())

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 import ffl_backend
+from ffl_backend import numerics as P
 from ffl_backend.quant import gptq as G
 from ffl_backend.quant import modules as M
-from ffl_backend.quant import primitives as P
 from ffl_backend.quant.api import quantized_modules
 from tests.tiny_models import tiny_model
 

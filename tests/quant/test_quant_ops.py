@@ -8,8 +8,8 @@ up to float summation order."""
 import pytest
 import torch
 
+from ffl_backend import numerics as P
 from ffl_backend.kernels import quant_linear as K
-from ffl_backend.quant import primitives as P
 
 DTYPES = (torch.float32, torch.bfloat16)
 SHAPES = [(1, 576, 1536), (5, 128, 96), (2, 3, 64, 48)]  # (..., K, N): GEMV, odd M, 3-D input
@@ -150,7 +150,8 @@ def test_compiled_op_matches_eager(case):
 def test_triton_launchers_agree_with_references_on_the_layout_contract(case):
     """The CUDA branch's launchers (run here by the Triton interpreter) and these references read
     the same buffers the same way: a layout or scale-convention mismatch would show as noise."""
-    from ffl_backend.kernels import _triton, triton_quant as T
+    from ffl_backend.kernels import _triton
+    from ffl_backend.kernels import triton_quant as T
 
     if not _triton.interpreting():
         pytest.skip("needs TRITON_INTERPRET=1 (set by conftest before triton is imported)")

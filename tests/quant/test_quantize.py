@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import ffl_backend
+from ffl_backend import numerics as P
 from ffl_backend.quant import modules as M
-from ffl_backend.quant import primitives as P
 from ffl_backend.quant.api import quantized_modules
 from tests.tiny_models import tiny_model
 

@@ -7,8 +7,8 @@ import torch
 from torch import nn
 
 import ffl_backend
+from ffl_backend import numerics as P
 from ffl_backend.quant import calibration, report
-from ffl_backend.quant import primitives as P
 from ffl_backend.quant import w8a8_search as S
 from ffl_backend.quant.api import quantized_modules
 from ffl_backend.quant.config import QuantConfig

@@ -28,10 +28,10 @@ import sys
 import torch
 from torch import Tensor
 
-from ..kernels import cpu_gemv
-from . import decode as _decode  # registers torch.ops.fastflow.attention_decode
-from .reference import visible
-from . import prefill as _prefill  # noqa: F401  (registers torch.ops.fastflow.attention_prefill)
+from .attention import decode as _decode  # registers torch.ops.fastflow.attention_decode
+from .attention import prefill as _prefill  # noqa: F401  (registers torch.ops.fastflow.attention_prefill)
+from .attention.reference import visible
+from .kernels import cpu_gemv
 
 NAME = "fastflow"  # no "flash" in it: transformers would switch on its own FlashAttention paths
 

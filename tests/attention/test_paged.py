@@ -8,8 +8,7 @@ import sys
 import pytest
 import torch
 
-from ffl_backend.engine.paged_attention import (aot_specs, paged_decode_cpu, paged_decode_ref,
-                                                paged_decode_triton)
+from ffl_backend.attention.paged import aot_specs, paged_decode_cpu, paged_decode_ref, paged_decode_triton
 
 
 def make_case(bsz, hq, hkv, d, block, lens, dtype=torch.float32, num_blocks=None):
@@ -59,7 +58,7 @@ def test_padding_rows_and_unused_table_entries_are_ignored():
 
 
 def test_opcheck():
-    import ffl_backend.engine.paged_attention  # noqa: F401
+    import ffl_backend.attention.paged  # noqa: F401
 
     q, k, v, table, lens = make_case(3, 9, 3, 64, 16, [5, 40, 17])
     torch.library.opcheck(torch.ops.fastflow.paged_decode.default, (q, k, v, table, lens, 0.125))
@@ -67,8 +66,9 @@ def test_opcheck():
 
 def test_op_is_opaque_under_compile():
     """One graph, the op called as is, and no recompile when lengths and tables change."""
-    import ffl_backend.engine.paged_attention  # noqa: F401
     from torch._dynamo.testing import CompileCounter
+
+    import ffl_backend.attention.paged  # noqa: F401
 
     cnt = CompileCounter()
     fn = torch.compile(lambda *a: torch.ops.fastflow.paged_decode(*a) * 2, backend=cnt, dynamic=False)
@@ -104,7 +104,7 @@ def test_aot_compiles_for_sm80_and_sm90(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton-cache")
     proc = subprocess.run([sys.executable, "-m", "ffl_backend.kernels.aot", "--arch", "80", "90", "--module",
-                           "ffl_backend.engine.paged_attention", "--jobs", "2", "--json", str(out)],
+                           "ffl_backend.attention.paged", "--jobs", "2", "--json", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     records = json.loads(out.read_text())

@@ -39,7 +39,7 @@ def _graph_count():
 
 
 def test_registration_happens_in_optimize_not_at_import():
-    code = ("import ffl_backend, ffl_backend.api, ffl_backend.attention.hf\n"
+    code = ("import ffl_backend, ffl_backend.api, ffl_backend.hf_attention\n"
             "from transformers import AttentionInterface\n"
             "from transformers.masking_utils import AttentionMaskInterface\n"
             "assert 'fastflow' not in AttentionInterface._global_mapping\n"
@@ -102,6 +102,32 @@ def test_restore_gives_the_model_back():
     assert model.generation_config.cache_implementation == cache
     assert "generate" not in model.__dict__
     assert torch.equal(_greedy(model, ids), expected)
+
+
+def test_restore_puts_back_dynamo_settings_once_no_optimized_model_is_left(monkeypatch):
+    import weakref
+
+    import torch._dynamo.config as dynamo_config
+
+    from ffl_backend import generation
+
+    # Models optimized by earlier tests may still be alive: start from no holder, Dynamo's defaults.
+    monkeypatch.setattr(generation, "_fast_guard_models", weakref.WeakSet())
+    monkeypatch.setattr(generation, "_saved_dynamo_config", {})
+    defaults = {"use_recursive_dict_tags_for_guards": False, "max_saved_pointers_for_recursive_dict_tags_check": 256}
+    assert set(defaults) == set(generation.FAST_GUARD_CONFIG)
+
+    def current():
+        return {key: getattr(dynamo_config, key) for key in defaults}
+
+    with dynamo_config.patch(defaults):
+        first, second = tiny_model("llama"), tiny_model("llama", seed=1)
+        ffl_backend.optimize(first, **FAST)
+        ffl_backend.optimize(second, **FAST)
+        restore(first)
+        assert current() == generation.FAST_GUARD_CONFIG  # the second model still relies on them
+        restore(second)
+        assert current() == defaults
 
 
 def test_model_compile_path_composes_with_optimize():

@@ -5,7 +5,7 @@ minus ~0.5 dB, so a regression of the quantizer (a wrong scale, a clipped range)
 import pytest
 import torch
 
-from ffl_backend.quant import primitives as P
+from ffl_backend import numerics as P
 
 W_SHAPE = (256, 512)
 INT4_FLOORS = {(32, False): 21.5, (32, True): 20.2, (64, False): 20.5, (64, True): 19.3,

@@ -4,12 +4,12 @@ import pytest
 import torch
 
 import ffl_backend
-from ffl_backend.config import PATTERN_FAMILIES
+from ffl_backend import numerics as P
 from ffl_backend.kernels.quant_linear import int4_cpu_form, int4_cpu_linear, int4_cpu_pack, torch_pack_block_rows
-from ffl_backend.patterns import int4_siblings
-from ffl_backend.patterns.siblings import shared_base
-from ffl_backend.quant import primitives as P
-from ffl_backend.quant import quantize
+from ffl_backend.patterns import horizontal_int4
+from ffl_backend.patterns.registry import PATTERN_FAMILIES
+from ffl_backend.quant import quantize, weight_layout
+from ffl_backend.quant.weight_layout import share_sibling_packs, shared_base
 from tests.tiny_models import LAYERS, tiny_model
 
 
@@ -88,8 +88,8 @@ def _wide_llama():
 
 
 def test_packs_concatenate_only_in_blocks_of_64():
-    assert int4_siblings._packs_concatenate((64, 128, 32), 192, 32)
-    assert not int4_siblings._packs_concatenate((48, 16, 32), 192, 32)
+    assert weight_layout._packs_concatenate((64, 128, 32), 192, 32)
+    assert not weight_layout._packs_concatenate((48, 16, 32), 192, 32)
 
 
 def test_quantize_shares_sibling_packs_and_fusion_copies_nothing(monkeypatch, int4_form):
@@ -103,7 +103,7 @@ def test_quantize_shares_sibling_packs_and_fusion_copies_nothing(monkeypatch, in
         assert (shared_base([m.cpu_scale_zeros for m in members]) is not None) == (int4_form == "fastflow")
     unfused = _logits(model, ids, tuple(f for f in PATTERN_FAMILIES if f != "horizontal"))
     packed_again = []
-    monkeypatch.setattr(int4_siblings, "int4_cpu_form", lambda *a: packed_again.append(1) or int4_cpu_form(*a))
+    monkeypatch.setattr(horizontal_int4, "int4_cpu_form", lambda *a: packed_again.append(1) or int4_cpu_form(*a))
     fused = _logits(model, ids, PATTERN_FAMILIES)
     assert ffl_backend.last_report().matches["horizontal"] == 2 * LAYERS
     assert packed_again == []  # the fused weight is the members' own shared pack
@@ -121,6 +121,6 @@ def test_siblings_share_a_form_only_where_it_concatenates(int4_form):
     block = torch_pack_block_rows()
     torch_concatenates = block is not None and all(rows % block == 0 for rows in (64, 32, 96))
     if int4_form == "fastflow" or torch_concatenates:
-        assert shared is not None and int4_siblings.share_sibling_packs(model) == 2 * LAYERS
+        assert shared is not None and share_sibling_packs(model) == 2 * LAYERS
     else:
-        assert shared is None and int4_siblings.share_sibling_packs(model) == 0
+        assert shared is None and share_sibling_packs(model) == 0

@@ -10,8 +10,8 @@ with no fused copy.
 
 fastflow's layout blocks rows in 16s, so its forms always concatenate (codes and scale tables);
 torch's CPU packing blocks rows in 64s, so concatenating its packs is right only when every member
-but the last has a multiple of 64 rows (tests/patterns/test_int4_siblings.py). Where it is,
-`share_sibling_packs` (run by quantize() and the loaders) already made the members' forms consecutive
+but the last has a multiple of 64 rows (tests/patterns/test_horizontal_int4.py). Where it is,
+`quant.weight_layout.share_sibling_packs` (run by quantize() and the loaders) already made the members' forms consecutive
 slices of one tensor, and the fusion uses that tensor: no copy (SmolLM2: q/k/v 576+192+192 rows,
 gate/up 1536+1536, all shareable). Elsewhere the fused weight is packed afresh from the
 concatenated portable form (codes, scales, zeros), a compile-time constant made once per set of
@@ -20,7 +20,6 @@ weights (weight_cache), like the dense fused weights: changing weights after com
 """
 from __future__ import annotations
 
-import functools
 import operator
 from collections import defaultdict
 
@@ -29,9 +28,10 @@ import torch.fx as fx
 from torch import Tensor
 
 from ..kernels import weight_cache
-from ..kernels.quant_linear import int4_cpu_codes, int4_cpu_form, int4_cpu_linear, int4_cpu_pack
+from ..kernels.quant_linear import int4_cpu_codes, int4_cpu_form, int4_cpu_linear
+from ..quant.modules import is_stand_in
+from ..quant.weight_layout import shared_base
 from . import fx_utils as U
-from .siblings import shared_base, sibling_groups
 
 FUSED_PREFIX = "_fastflow_int4_fused"
 
@@ -77,64 +77,7 @@ def _fused_pack(portables: list, packs: list, scale_zeros: list, group_size: int
 
 def _codes(qweight: Tensor, pack: Tensor) -> Tensor:
     """A member's portable codes: its `qweight`, or rebuilt from its pack where only that is kept."""
-    from ..quant.modules import is_stand_in
-
     return int4_cpu_codes(pack, qweight.shape[0], qweight.shape[1] * 2) if is_stand_in(qweight) else qweight
-
-
-def _forms_concatenate(packs: list, rows: tuple, in_features: int, group_size: int) -> bool:
-    """Whether the CPU form of row-concatenated weights is the concatenation of the members' forms:
-    always in fastflow's layout (blocks of 16 rows), checked on torch's packing otherwise."""
-    return packs[0].dim() == 3 or _packs_concatenate(rows, in_features, group_size)
-
-
-@functools.lru_cache(maxsize=None)
-def _packs_concatenate(rows: tuple, in_features: int, group_size: int) -> bool:
-    """Whether torch's CPU pack of row-concatenated int4 weights equals the concatenation of each
-    part's pack, for parts of these row counts (checked on the real packing, once per shape)."""
-    from ..quant import primitives as P
-
-    gen = torch.Generator().manual_seed(0)
-    codes = [torch.randint(0, 16, (n, in_features), dtype=torch.uint8, generator=gen) for n in rows]
-    scales = [torch.ones(n, in_features // group_size, dtype=torch.bfloat16) for n in rows]
-    parts = [int4_cpu_pack(P.pack_int4(q), s, s, group_size)[0] for q, s in zip(codes, scales)]
-    whole = int4_cpu_pack(P.pack_int4(torch.cat(codes)), torch.cat(scales), torch.cat(scales), group_size)[0]
-    return whole is not None and all(p is not None for p in parts) and torch.equal(torch.cat(parts), whole)
-
-
-@torch.no_grad()
-def share_sibling_packs(model: torch.nn.Module) -> int:
-    """Re-point the CPU forms of sibling int4 linears (q/k/v, gate/up) to consecutive slices of one
-    tensor where that tensor is exactly the form of their concatenation, so fusing them later copies
-    nothing. Values and results are unchanged; returns the number of groups sharing one form."""
-    from ..quant.modules import Int4Linear
-
-    shared = 0
-    for members in sibling_groups(model, Int4Linear):
-        if any(m.cpu_packed is None for m in members) or len({(m.in_features, m.group_size) for m in members}) != 1:
-            continue
-        packs = [m.cpu_packed for m in members]
-        if len({p.dim() for p in packs}) != 1:
-            continue
-        if shared_base(packs) is None:
-            rows = tuple(m.out_features for m in members)
-            if not _forms_concatenate(packs, rows, members[0].in_features, members[0].group_size):
-                continue
-            _share(members, "cpu_packed")
-        if packs[0].dim() == 3 and shared_base([m.cpu_scale_zeros for m in members]) is None:
-            _share(members, "cpu_scale_zeros")  # fastflow's layout: the tables concatenate as well
-        shared += 1
-    return shared
-
-
-def _share(members: list, name: str) -> None:
-    """Re-point each member's tensor `name` to its slice of their concatenation (along dim 0, in
-    whole units of that dim: rows, or blocks of 16 rows in fastflow's layout)."""
-    parts = [getattr(m, name) for m in members]
-    fused, start = torch.cat(parts), 0
-    for m, part in zip(members, parts):
-        setattr(m, name, fused[start:start + part.shape[0]])
-        start += part.shape[0]
 
 
 def _constant(gm: fx.GraphModule, tensor: Tensor) -> fx.Node:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from . import paged_attention as _paged  # noqa: F401  (registers torch.ops.fastflow.paged_decode)
+from ..attention import paged as _paged  # noqa: F401  (registers torch.ops.fastflow.paged_decode)
 
 NAME = "fastflow_paged"  # no "flash" in it: transformers would switch on its own FlashAttention paths
 

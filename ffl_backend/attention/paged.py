@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention.prefill import dot_precision, head_block, upcast_dot
-from ..kernels._triton import HAS_TRITON, AotSpec, ptr, tl, triton
+from ..kernels._triton import HAS_TRITON, AotSpec, on_triton_device, ptr, tl, triton
+from .prefill import dot_precision, head_block, upcast_dot
 
 if HAS_TRITON:
-    from ..attention.prefill import dot
+    from .prefill import dot
 
 
 def paged_decode_ref(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor,
@@ -154,12 +154,9 @@ def paged_decode_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables:
 @torch.library.custom_op("fastflow::paged_decode", mutates_args=())
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor,
                  scale: float) -> Tensor:
+    if on_triton_device(q):
+        return paged_decode_triton(q, k_pool, v_pool, block_tables, seq_lens, scale)
     return paged_decode_cpu(q, k_pool, v_pool, block_tables, seq_lens, scale)
-
-
-@paged_decode.register_kernel("cuda")
-def _paged_decode_cuda(q, k_pool, v_pool, block_tables, seq_lens, scale):
-    return paged_decode_triton(q, k_pool, v_pool, block_tables, seq_lens, scale)
 
 
 @paged_decode.register_fake
