@@ -31,7 +31,7 @@ def _time_passes(fn, calls, passes: int = 7) -> dict:
 
 
 def _calls(group_size: int) -> dict:
-    from ffl_backend.kernels import cpu_gemv
+    from ffl_backend.kernels import int4_layout
     from ffl_backend.kernels.quant_linear import int4_cpu_scale_zeros
 
     x = {k: torch.randn(1, k, dtype=torch.bfloat16) for k in (576, 1536)}
@@ -42,16 +42,16 @@ def _calls(group_size: int) -> dict:
             calls["bf16"].append((x[k], torch.randn(n, k, dtype=torch.bfloat16)))
             codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
             scale_zeros = int4_cpu_scale_zeros(torch.rand(n, k // group_size) / 10, torch.full((n, k // group_size), 8.0))
-            calls["int4"].append((x[k], *cpu_gemv.int4_layout(codes, scale_zeros, group_size)))
+            calls["int4"].append((x[k], *int4_layout.int4_layout(codes, scale_zeros, group_size)))
             calls["torch_int4"].append((x[k], torch._convert_weight_to_int4pack_for_cpu(codes.int(), 1), scale_zeros))
     return calls
 
 
 def measure(group_size: int) -> dict:
-    from ffl_backend.kernels import cpu_gemv
+    from ffl_backend.kernels import cpu_lib
 
-    if not cpu_gemv.load():
-        raise SystemExit(f"CPU kernels not built: {cpu_gemv.load_error()}")
+    if not cpu_lib.load():
+        raise SystemExit(f"CPU kernels not built: {cpu_lib.load_error()}")
     ops, calls = torch.ops.fastflow_cpu, _calls(group_size)
     kernels = {
         "fastflow gemv int8": (lambda x, w, s: ops.gemv(x, [w], [s], []), calls["int8"]),
@@ -62,7 +62,7 @@ def measure(group_size: int) -> dict:
         f"torch _weight_int4pack_mm_for_cpu g{group_size}": (
             lambda x, p, sz: torch._weight_int4pack_mm_for_cpu(x, p, group_size, sz), calls["torch_int4"]),
     }
-    return {"layers_per_pass": LAYERS, "march": cpu_gemv.target_arch(), "threads": torch.get_num_threads(),
+    return {"layers_per_pass": LAYERS, "march": cpu_lib.target_arch(), "threads": torch.get_num_threads(),
             "ms_per_pass": {name: _time_passes(fn, args) for name, (fn, args) in kernels.items()}}
 
 

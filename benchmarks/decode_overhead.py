@@ -1,6 +1,6 @@
 """How much of a fastflow decode step is outside the weight GEMVs and attention, measured without a
 profiler: the same compiled model times greedy generate() with the fastflow_cpu kernels computing
-(real) and with them returning zeros at once (null: `cpu_gemv.null_kernels()`, a switch inside the
+(real) and with them returning zeros at once (null: `cpu_lib.null_kernels()`, a switch inside the
 C++ library, so it reaches the kernels whichever wrapper calls them, Python or cpp_wrapper's C++),
 in alternation, in one process. null is everything else -- generate()'s loop, Dynamo's guards, the
 compiled graph's wrapper, its other kernels (norms, rotary, SwiGLU) and every op call's dispatch;
@@ -29,7 +29,7 @@ def split_step(model, ids, rounds: int, new_tokens: int) -> dict:
     """ms per decode step of `model` (set up to generate() with fastflow) with real and with null
     kernels, alternating for `rounds` rounds; the kernels compute again afterwards."""
     from ffl_backend.bench.session import time_generate
-    from ffl_backend.kernels.cpu_gemv import null_kernels
+    from ffl_backend.kernels.cpu_lib import null_kernels
 
     modes = {"real": contextlib.nullcontext, "null": null_kernels}
     for name in ("real", "real", "null"):  # compile, warm, warm the null path
@@ -79,10 +79,10 @@ def main(argv=None) -> None:
     p.add_argument("--out", help="JSON file to append this row to")
     args = p.parse_args(argv)
     from ffl_backend.bench.grid import report_row
-    from ffl_backend.kernels import cpu_gemv
+    from ffl_backend.kernels import cpu_lib
 
-    if not cpu_gemv.load():
-        raise SystemExit(f"CPU kernels not built: {cpu_gemv.load_error()}")
+    if not cpu_lib.load():
+        raise SystemExit(f"CPU kernels not built: {cpu_lib.load_error()}")
     model, ids = prepare(args.quant, args.dtype, args.entry, args.mode, args.prompt_len, args.new_tokens)
     from ffl_backend.api import DEFAULT_MODE
 

@@ -30,7 +30,7 @@ import logging
 
 import torch
 
-from .kernels import cpu_gemv
+from .kernels import cpu_lib
 
 logger = logging.getLogger("ffl_backend")
 
@@ -253,7 +253,7 @@ class DecodeLoop:
             streamer.put(ids.cpu())
         logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
                        use_cache=True, **self._keep).logits[:, -1]
-        cpu_argmax = ids.device.type == "cpu" and cpu_gemv.load()
+        cpu_argmax = ids.device.type == "cpu" and cpu_lib.load()
         best = torch.ops.fastflow_cpu.argmax(logits) if cpu_argmax else logits.argmax(-1)
         inputs = dict(input_ids=ids.new_zeros((batch, 1)), attention_mask=self._decode_mask(ids, attention_mask),
                       position_ids=ids.new_empty((batch, 1)).copy_(positions[:, -1:]),  # fixed strides

@@ -31,7 +31,7 @@ from torch import Tensor
 from .attention import decode as _decode  # registers torch.ops.fastflow.attention_decode
 from .attention import prefill as _prefill  # noqa: F401  (registers torch.ops.fastflow.attention_prefill)
 from .attention.reference import visible
-from .kernels import cpu_gemv
+from .kernels import cpu_lib
 
 NAME = "fastflow"  # no "flash" in it: transformers would switch on its own FlashAttention paths
 
@@ -90,7 +90,7 @@ def fastflow_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
 
 
 # Whether the fastflow_cpu library is built, read by the traced attention function (a plain value
-# Dynamo can guard on: `cpu_gemv.load()` itself takes a lock, which a trace must not enter).
+# Dynamo can guard on: `cpu_lib.load()` itself takes a lock, which a trace must not enter).
 _cpu_kernel = {"built": False}
 
 
@@ -140,7 +140,7 @@ def install(model, attention: str | None = NAME) -> dict:
     if attention == NAME:
         register()
         if model.device.type == "cpu":
-            _cpu_kernel["built"] = cpu_gemv.load()
+            _cpu_kernel["built"] = cpu_lib.load()
     model.set_attn_implementation(attention)
     if attention == NAME and has_sliding_layers(model.config):
         model._prepare_static_cache = _unrolled_static_cache(model)

@@ -32,10 +32,10 @@ def _fresh_dynamo():
 def int4_form(request, monkeypatch):
     """Which CPU form int4 modules get: fastflow's kernel layout (where that kernel is built) or
     torch's pack (what machines without it get)."""
-    from ffl_backend.kernels import cpu_gemv
+    from ffl_backend.kernels import cpu_lib
 
     if request.param == "torch":
-        monkeypatch.setattr(cpu_gemv, "load", lambda: False)
-    elif not cpu_gemv.load():
-        pytest.skip(f"CPU kernels not built: {cpu_gemv.load_error()}")
+        monkeypatch.setattr(cpu_lib, "load", lambda: False)
+    elif not cpu_lib.load():
+        pytest.skip(f"CPU kernels not built: {cpu_lib.load_error()}")
     return request.param

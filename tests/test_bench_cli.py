@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+
 from tiny_models import tiny_model
 
 # Keys every successful result row carries in the JSON (the CSV holds the scalar ones).
@@ -152,11 +153,11 @@ def test_outputs_from_a_synthetic_grid(tmp_path):
 
 def test_weight_bytes_counts_a_tied_table_once_and_skips_lookup_only_embeddings():
     import torch
-    from tiny_models import COMMON
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     import ffl_backend
     from ffl_backend.bench.session import weight_bytes
+    from tiny_models import COMMON
 
     def nbytes(tensors):
         return sum(t.numel() * t.element_size() for t in tensors)

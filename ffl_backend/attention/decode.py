@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels import cpu_gemv
+from ..kernels import cpu_lib
 from ..kernels._triton import HAS_TRITON, AotSpec, on_triton_device, ptr, tl, triton
 from .prefill import AOT_BLOCK_DS, AOT_DTYPES, dot, dot_precision, flash_launch, head_block, row_cost, upcast_dot
 from .reference import visible
@@ -189,7 +189,7 @@ CPU_KERNEL_MAX_ROWS = 64
 
 def cpu_kernel_fits(q: Tensor, k_cache: Tensor) -> bool:
     """Whether the C++ decode-attention kernel suits this call (CPU, a few query rows per KV head);
-    callers also need the library built (`cpu_gemv.load()`)."""
+    callers also need the library built (`cpu_lib.load()`)."""
     return q.device.type == "cpu" and q.shape[1] // max(1, k_cache.shape[1]) * q.shape[2] <= CPU_KERNEL_MAX_ROWS
 
 
@@ -197,7 +197,7 @@ def attention_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Te
                          window: int = 0, mask: Tensor | None = None) -> Tensor:
     """A few query rows: the C++ kernel. Else: slice the cache to the filled length, then SDPA (no K/V
     repeat: enable_gqa)."""
-    if cpu_kernel_fits(q, k_cache) and cpu_gemv.load():
+    if cpu_kernel_fits(q, k_cache) and cpu_lib.load():
         return torch.ops.fastflow_cpu.decode_attention(q, k_cache, v_cache, filled, scale, window, mask).contiguous()
     n = int(filled)  # a CPU tensor: no device sync
     q_len = q.shape[2]

@@ -12,7 +12,7 @@
 // and allocations (docs/performance.md). A C++ op is one dispatcher call from Inductor's wrapper (one
 // C++ call under cpp_wrapper), reads only the filled slots, and writes its output directly in the
 // (B, Lq, Hq, D) order the o_proj reads (returned as a (B, Hq, Lq, D) view of it).
-// Built with cpu_gemv.cpp into one library (cpu_gemv.py); vectorized by the compiler (omp simd).
+// Built with cpu_gemv.cpp into one library (cpu_lib.py); vectorized by the compiler (omp simd).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

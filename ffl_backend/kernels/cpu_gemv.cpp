@@ -5,8 +5,8 @@
 // w is int8 (weight-only per-output-channel quantization; `scale` is the channel scale) or bf16.
 // One call may take several weights that read the same x (q/k/v, gate/up): one parallel loop.
 // fastflow_cpu::int4_gemv -- the same for group-wise int4 weights in a layout of its own (below).
-// Built and loaded at run time by cpu_gemv.py; the pure-torch references are `gemv_ref` and
-// `int4_gemv_ref` there.
+// Built and loaded at run time by cpu_lib.py; the pure-torch references are cpu_gemv.py's `gemv_ref`
+// and int4_layout.py's `int4_gemv_ref`.
 //
 // Why a hand-written loop: at batch 1 every weight byte is read once per token, so the step is a
 // stream of GEMVs. Inductor's loop for the same expression (one row, one accumulator, no prefetch)
@@ -261,7 +261,7 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights, at::TensorList scal
   return out;
 }
 
-// ---- int4_gemv: group-wise int4 weights in the 16-row interleaved layout (cpu_gemv.py) ----------
+// ---- int4_gemv: group-wise int4 weights in the 16-row interleaved layout (int4_layout.py) ----------
 //
 // packed (N/16, K/8, 64) bytes: byte 4i+b of chunk c of row block r holds code (16r+i, 8c+b) in its low
 // nibble and (16r+i, 8c+4+b) in its high nibble; scale_zeros (N/16, K/G, 2, 16) bf16 holds, per row block

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 from .. import numerics as P
-from . import cpu_gemv
+from . import cpu_gemv, cpu_lib, int4_layout
 from ._triton import on_triton_device, rows_2d
 
 # torch's CPU int4 kernel accepts only these group sizes, and N in multiples of 16.
@@ -107,15 +107,15 @@ def int4_cpu_form(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int)
     built and takes the shape (2x faster than torch's at batch 1, and it reads x in fp32), else
     torch's pack (`int4_cpu_pack`), else (None, None): the reference."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
-    if qweight.device.type == "cpu" and cpu_gemv.int4_layout_fits(n, k, group_size) and cpu_gemv.load():
-        return cpu_gemv.int4_layout(P.unpack_int4(qweight), int4_cpu_scale_zeros(scale, zero), group_size)
+    if qweight.device.type == "cpu" and int4_layout.int4_layout_fits(n, k, group_size) and cpu_lib.load():
+        return int4_layout.int4_layout(P.unpack_int4(qweight), int4_cpu_scale_zeros(scale, zero), group_size)
     return int4_cpu_pack(qweight, scale, zero, group_size)
 
 
 def int4_cpu_codes(packed: Tensor, n: int, k: int) -> Optional[Tensor]:
     """The portable (n, k/2) codes back from either CPU form, or None where that is not known here."""
     if packed.dim() == 3:
-        return P.pack_int4(cpu_gemv.int4_layout_codes(packed))
+        return P.pack_int4(int4_layout.int4_layout_codes(packed))
     return int4_cpu_unpack(packed, n, k)
 
 
@@ -173,7 +173,7 @@ def int4_cpu_unpack(packed: Tensor, n: int, k: int) -> Optional[Tensor]:
 def _single_row_kernel_applies(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether an eager single-row int8 call can take the C++ decode GEMV (`cpu_gemv`). Never while
     compiling: there the decode_gemv family decides, and plain Inductor keeps torch's kernel."""
-    return not torch.compiler.is_compiling() and cpu_gemv.takes(x, qweight, scale, bias) and cpu_gemv.load()
+    return not torch.compiler.is_compiling() and cpu_gemv.takes(x, qweight, scale, bias) and cpu_lib.load()
 
 
 def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],

@@ -44,7 +44,7 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from ..kernels import cpu_gemv, weight_cache
+from ..kernels import cpu_gemv, cpu_lib, weight_cache
 from . import fx_utils as U
 from .decode_gemv_calls import KernelGemv, emit_kernel_calls
 from .packed_linear import _weight_tensor
@@ -124,10 +124,10 @@ def use_kernel(options) -> bool:
     """Whether single-row linears call `fastflow_cpu::gemv` (option `cpu_gemv`, see config.py)."""
     if options.cpu_gemv == "loops":
         return False
-    if cpu_gemv.load():
+    if cpu_lib.load():
         return True
     if options.cpu_gemv == "kernel":
-        raise RuntimeError(f"fastflow: cpu_gemv='kernel' but the CPU GEMV kernel is unavailable: {cpu_gemv.load_error()}")
+        raise RuntimeError(f"fastflow: cpu_gemv='kernel' but the CPU GEMV kernel is unavailable: {cpu_lib.load_error()}")
     return False
 
 

@@ -1,6 +1,6 @@
 """Single-row CPU linears -> `fastflow_cpu::gemv` calls, siblings that read one row grouped into one call.
 
-decode_gemv decides which linears take the hand-written kernel (kernels/cpu_gemv.py) and hands them
+decode_gemv decides which linears take the hand-written kernel (kernels/cpu_gemv.py, fastflow_cpu::gemv) and hands them
 here as `KernelGemv` records; `emit_kernel_calls` rewrites them. Linears reading the same activation
 node with the same weight dtype and the same operands present (scale, bias) become one call, placed
 at the first of them: q/k/v (3 calls -> 1) and gate/up (2 -> 1) of an int8 Llama layer; the call

@@ -186,6 +186,7 @@ def test_sliding_window_models_are_refused():
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     import transformers as T
+
     from tiny_models import COMMON
 
     model = T.AutoModelForCausalLM.from_config(T.MistralConfig(num_key_value_heads=2, sliding_window=16, **COMMON))

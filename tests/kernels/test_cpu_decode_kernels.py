@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from ffl_backend.attention.reference import attention_ref
-from ffl_backend.kernels import cpu_gemv
+from ffl_backend.kernels import cpu_lib
 from tests.helpers import assert_matches_reference
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.load(), reason=f"CPU kernels not built: {cpu_gemv.load_error()}")
+pytestmark = pytest.mark.skipif(not cpu_lib.load(), reason=f"CPU kernels not built: {cpu_lib.load_error()}")
 
 # (batch, q heads, kv heads, q_len, cache_len, filled, head_dim, window): MHA/GQA/MQA, one and a few
 # queries, odd head dims, a window cutting into the filled part, a full cache, a long fill that splits

@@ -5,11 +5,11 @@ import torch
 
 import ffl_backend
 from ffl_backend.generation import configure_generate
-from ffl_backend.kernels import cpu_gemv
+from ffl_backend.kernels import cpu_gemv, cpu_lib
 from tests.helpers import assert_matches_reference
 from tests.tiny_models import LAYERS, tiny_model
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.load(), reason=f"CPU GEMV kernel not built: {cpu_gemv.load_error()}")
+pytestmark = pytest.mark.skipif(not cpu_lib.load(), reason=f"CPU GEMV kernel not built: {cpu_lib.load_error()}")
 
 
 def _weights(rows, k, dtype):
@@ -107,11 +107,11 @@ def test_compiles_under_inductor_and_its_cpp_wrapper(n_weights):
 
 
 def test_build_failure_is_reported_and_loading_says_no(monkeypatch, tmp_path):
-    monkeypatch.setattr(cpu_gemv, "_state", {})
-    monkeypatch.setattr(cpu_gemv, "_cache_dir", lambda: tmp_path)
+    monkeypatch.setattr(cpu_lib, "_state", {})
+    monkeypatch.setattr(cpu_lib, "_cache_dir", lambda: tmp_path)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    assert cpu_gemv.load() is False
-    assert "no-such-compiler" in cpu_gemv.load_error()
+    assert cpu_lib.load() is False
+    assert "no-such-compiler" in cpu_lib.load_error()
     assert not list(tmp_path.glob("*.so"))
 
 
@@ -160,8 +160,8 @@ def test_decode_uses_grouped_kernel_calls_and_matches_inductor_loops(scheme, dty
 
 
 def test_kernel_option_requires_the_kernel(monkeypatch):
-    monkeypatch.setattr(cpu_gemv, "load", lambda: False)
-    monkeypatch.setattr(cpu_gemv, "load_error", lambda: "no compiler here")
+    monkeypatch.setattr(cpu_lib, "load", lambda: False)
+    monkeypatch.setattr(cpu_lib, "load_error", lambda: "no compiler here")
     model = tiny_model("llama", dtype=torch.bfloat16)
     out, calls, report = _decode(model, "auto")  # falls back to Inductor's loops
     assert calls == 0 and report.matches["decode_gemv"] == 4 * LAYERS + 1

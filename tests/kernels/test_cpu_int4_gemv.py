@@ -5,12 +5,12 @@ import torch
 
 from ffl_backend import numerics as P
 from ffl_backend.generation import configure_generate
-from ffl_backend.kernels import cpu_gemv
+from ffl_backend.kernels import cpu_lib, int4_layout
 from ffl_backend.kernels.quant_linear import int4_cpu_linear, int4_cpu_pack, int4_cpu_scale_zeros
 from tests.helpers import assert_matches_reference
 from tests.tiny_models import LAYERS
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.load(), reason=f"CPU GEMV kernel not built: {cpu_gemv.load_error()}")
+pytestmark = pytest.mark.skipif(not cpu_lib.load(), reason=f"CPU GEMV kernel not built: {cpu_lib.load_error()}")
 
 INT16_STEPS = 2 * 32639  # the kernel reads x per group as int16 in [-32639, 32639]: error <= max|x_g| / this
 
@@ -24,7 +24,7 @@ def _quantized(n, k, group_size, seed=0):
 
 def _operands(n, k, group_size, xshape, xdtype, biased):
     codes, scale_zeros, _ = _quantized(n, k, group_size)
-    packed, sz = cpu_gemv.int4_layout(codes, scale_zeros, group_size)
+    packed, sz = int4_layout.int4_layout(codes, scale_zeros, group_size)
     x = torch.randn(*xshape, k, dtype=xdtype)
     bias = torch.randn(n, dtype=xdtype) if biased else None
     return x, packed, sz, bias, group_size
@@ -32,7 +32,7 @@ def _operands(n, k, group_size, xshape, xdtype, biased):
 
 def _x_rounding_bound(x, packed, scale_zeros, bias, group_size):
     """The most reading x as int16 per group can move an output: sum_k step_g / 2 * |w_k| (+ fp32 slack)."""
-    w = cpu_gemv.int4_gemv_ref(torch.eye(packed.shape[1] * 8, dtype=torch.float64), packed, scale_zeros, None,
+    w = int4_layout.int4_gemv_ref(torch.eye(packed.shape[1] * 8, dtype=torch.float64), packed, scale_zeros, None,
                                group_size).T.abs()  # (N, K) dequantized weights
     rows = x.double().reshape(-1, x.shape[-1])
     step = rows.abs().reshape(rows.shape[0], -1, group_size).amax(-1).repeat_interleave(group_size, -1) / INT16_STEPS
@@ -41,11 +41,11 @@ def _x_rounding_bound(x, packed, scale_zeros, bias, group_size):
 
 def test_layout_round_trips_the_codes():
     codes, scale_zeros, _ = _quantized(48, 40, 8)
-    packed, sz = cpu_gemv.int4_layout(codes, scale_zeros, 8)
+    packed, sz = int4_layout.int4_layout(codes, scale_zeros, 8)
     assert packed.shape == (3, 5, 64) and sz.shape == (3, 5, 2, 16) and sz.dtype == torch.bfloat16
-    assert torch.equal(cpu_gemv.int4_layout_codes(packed), codes)
-    assert cpu_gemv.int4_layout_fits(48, 40, 8) and not cpu_gemv.int4_layout_fits(40, 40, 8)
-    assert not cpu_gemv.int4_layout_fits(48, 40, 12) and not cpu_gemv.int4_layout_fits(48, 36, 8)
+    assert torch.equal(int4_layout.int4_layout_codes(packed), codes)
+    assert int4_layout.int4_layout_fits(48, 40, 8) and not int4_layout.int4_layout_fits(40, 40, 8)
+    assert not int4_layout.int4_layout_fits(48, 40, 12) and not int4_layout.int4_layout_fits(48, 36, 8)
 
 
 @pytest.mark.parametrize("n,k,group_size", [(64, 64, 32), (960, 576, 32), (576, 1536, 128), (128, 512, 256),
@@ -54,10 +54,10 @@ def test_reference_equals_torchs_int4_kernel_grid(n, k, group_size):
     """The layout holds torch's grid w = (q - 8) s + z': the reference's weight (read through the
     identity) is torch's int4 kernel's, which rounds its output to bf16."""
     codes, scale_zeros, torch_pack = _quantized(n, k, group_size)
-    packed, sz = cpu_gemv.int4_layout(codes, scale_zeros, group_size)
+    packed, sz = int4_layout.int4_layout(codes, scale_zeros, group_size)
     eye = torch.eye(k)
     expected = int4_cpu_linear(eye, torch_pack, scale_zeros, group_size, None)
-    torch.testing.assert_close(cpu_gemv.int4_gemv_ref(eye, packed, sz, None, group_size), expected,
+    torch.testing.assert_close(int4_layout.int4_gemv_ref(eye, packed, sz, None, group_size), expected,
                                rtol=2.0**-8, atol=1e-6)
 
 
@@ -69,7 +69,7 @@ def test_reference_equals_torchs_int4_kernel_grid(n, k, group_size):
 def test_matches_reference(xdtype, n, k, group_size, xshape, biased):
     args = _operands(n, k, group_size, xshape, xdtype, biased)
     out = torch.ops.fastflow_cpu.int4_gemv(*args)
-    assert_matches_reference(out, cpu_gemv.int4_gemv_ref, args, atol=_x_rounding_bound(*args), interpreted=False)
+    assert_matches_reference(out, int4_layout.int4_gemv_ref, args, atol=_x_rounding_bound(*args), interpreted=False)
 
 
 def test_a_zero_group_and_tiny_values():
@@ -79,7 +79,7 @@ def test_a_zero_group_and_tiny_values():
     x, packed, sz, _, g = args
     x[0, :32] = 0
     out = torch.ops.fastflow_cpu.int4_gemv(*args)
-    assert_matches_reference(out, cpu_gemv.int4_gemv_ref, args, atol=_x_rounding_bound(*args), interpreted=False)
+    assert_matches_reference(out, int4_layout.int4_gemv_ref, args, atol=_x_rounding_bound(*args), interpreted=False)
     tiny = torch.ops.fastflow_cpu.int4_gemv(x * 2.0**-100, packed, sz, None, g)
     assert torch.equal(tiny, out * 2.0**-100)
 
@@ -92,10 +92,10 @@ def test_largest_codes_and_x_do_not_overflow(sign):
     n, k, group_size = 32, 512, 256
     codes = torch.full((n, k), 15, dtype=torch.uint8)
     scale_zeros = int4_cpu_scale_zeros(torch.rand(n, k // group_size) + 0.5, torch.zeros(n, k // group_size))
-    packed, sz = cpu_gemv.int4_layout(codes, scale_zeros, group_size)
+    packed, sz = int4_layout.int4_layout(codes, scale_zeros, group_size)
     args = (torch.full((2, k), sign), packed, sz, None, group_size)
     out = torch.ops.fastflow_cpu.int4_gemv(*args)
-    assert_matches_reference(out, cpu_gemv.int4_gemv_ref, args, atol=_x_rounding_bound(*args), interpreted=False)
+    assert_matches_reference(out, int4_layout.int4_gemv_ref, args, atol=_x_rounding_bound(*args), interpreted=False)
 
 
 def test_threads_split_row_blocks():

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ffl_backend.kernels import cpu_gemv
+from ffl_backend.kernels import cpu_lib
 
-pytestmark = pytest.mark.skipif(not cpu_gemv.load(), reason=f"CPU GEMV kernel not built: {cpu_gemv.load_error()}")
+pytestmark = pytest.mark.skipif(not cpu_lib.load(), reason=f"CPU GEMV kernel not built: {cpu_lib.load_error()}")
 
 ROOT = Path(__file__).resolve().parents[2]
 # -march level -> the CPU flags it needs (the ones the kernel's paths test for)
@@ -22,7 +22,7 @@ SELECTION = "matches_reference or overflow or zero_group or threads or rows_shap
 
 
 def _cpu_has(flags) -> bool:
-    words = set(cpu_gemv._cpu_flags().split())
+    words = set(cpu_lib._cpu_flags().split())
     return all(f in words for f in flags)
 
 
@@ -46,7 +46,7 @@ def test_layer_benchmark_times_every_kernel(monkeypatch):
     spec.loader.exec_module(module)
     monkeypatch.setattr(module, "LAYERS", 1)
     row = module.measure(group_size=64)
-    assert len(row["ms_per_pass"]) == 6 and row["march"] == cpu_gemv.target_arch()
+    assert len(row["ms_per_pass"]) == 6 and row["march"] == cpu_lib.target_arch()
     assert all(t["min_ms"] > 0 for t in row["ms_per_pass"].values())
 
 

@@ -9,7 +9,7 @@ import torch
 
 import ffl_backend
 from ffl_backend.generation import configure_generate
-from ffl_backend.kernels import cpu_gemv as cpu_gemv_kernel
+from ffl_backend.kernels import cpu_lib
 from tests.tiny_models import ARCHS, LAYERS, tiny_model
 
 L = LAYERS
@@ -72,8 +72,8 @@ def test_bf16_cpu_decode_linears_are_gemvs_and_match_eager(cpu_gemv):
     stay within bf16 noise of eager. The kernel reads q/k/v and gate/up from their own weights in one
     call each, so they are not fused first (a fused copy would only cost memory); the Inductor loops
     read fused weights: q/k/v, o, gate/up, down, lm_head."""
-    if cpu_gemv == "kernel" and not cpu_gemv_kernel.load():
-        pytest.skip(f"CPU GEMV kernel unavailable: {cpu_gemv_kernel.load_error()}")
+    if cpu_gemv == "kernel" and not cpu_lib.load():
+        pytest.skip(f"CPU GEMV kernel unavailable: {cpu_lib.load_error()}")
     ids, eager, fast = _eager_then_fastflow(tiny_model("llama", dtype=torch.bfloat16), cpu_gemv=cpu_gemv)
     rep = ffl_backend.last_report()
     if cpu_gemv == "kernel":

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import ffl_backend
 from ffl_backend.generation import configure_generate
-from ffl_backend.kernels import cpu_gemv, packed_linear, weight_cache
+from ffl_backend.kernels import cpu_lib, packed_linear, weight_cache
 from ffl_backend.patterns.decode_gemv import is_bf16_exact, linear_rowwise
 from tests.helpers import assert_matches_reference
 from tests.tiny_models import LAYERS, tiny_model
@@ -110,8 +110,8 @@ def test_bf16_exact_fp32_model_decodes_like_eager(cpu_gemv_option):
     """A tiny Llama whose fp32 weights are bf16 values: every decode linear runs on a bf16 copy, and
     greedy tokens equal eager's. The loops read fused q/k/v and gate/up (4 linears per layer: qkv, o,
     gate_up, down); the kernel reads all 7 from their own weights, unfused (no fused copy)."""
-    if cpu_gemv_option == "auto" and not cpu_gemv.load():
-        pytest.skip(f"CPU GEMV kernel unavailable: {cpu_gemv.load_error()}")
+    if cpu_gemv_option == "auto" and not cpu_lib.load():
+        pytest.skip(f"CPU GEMV kernel unavailable: {cpu_lib.load_error()}")
     model = tiny_model("llama")
     with torch.no_grad():
         for p in model.parameters():

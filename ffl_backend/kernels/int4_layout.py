@@ -1,0 +1,54 @@
+"""`torch.ops.fastflow_cpu.int4_gemv`'s weight layout and reference (the kernel: cpu_gemv.cpp).
+
+    int4_gemv(x, packed, scale_zeros, bias or None, G) = x @ W.T + bias, W group-wise int4
+
+The layout puts 16 rows to a vector over torch's CPU int4 grid w = (q - 8) * s + z'; the kernel
+multiplies the codes as they load with AVX512-VNNI (AVX2-only CPUs: vpmaddubsw + vpmaddwd), x read
+as int16 per group (cpu_gemv.cpp says why). Int4 modules hold their CPU weights in this layout and
+call the kernel for every row count (kernels/quant_linear.py `int4_cpu_form`).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+# int4_gemv's layout (cpu_gemv.cpp): rows in blocks of 16 (the lanes of one vector), K in chunks of 8
+INT4_ROWS, INT4_CHUNK = 16, 8
+
+
+def int4_layout_fits(n: int, k: int, group_size: int) -> bool:
+    """Whether an (n, k) int4 matrix with this group size has an `int4_gemv` layout."""
+    return n % INT4_ROWS == 0 and group_size % INT4_CHUNK == 0 and k % group_size == 0 and n > 0
+
+
+def int4_layout(codes: Tensor, scale_zeros: Tensor, group_size: int) -> tuple:
+    """(packed, scale_zeros) for `int4_gemv` from (N, K) codes 0..15 and torch's CPU int4 scale/zero
+    table ((K/G, N, 2) bf16, w = (q - 8) * s + z'): the same values, laid out 16 rows to a vector."""
+    n, k = codes.shape
+    blocks = codes.to(torch.uint8).reshape(n // INT4_ROWS, INT4_ROWS, k // INT4_CHUNK, 2, INT4_CHUNK // 2)
+    packed = (blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
+    groups = scale_zeros.reshape(k // group_size, n // INT4_ROWS, INT4_ROWS, 2).permute(1, 0, 3, 2)
+    return (packed.reshape(n // INT4_ROWS, k // INT4_CHUNK, 4 * INT4_ROWS).contiguous(),
+            groups.to(torch.bfloat16).contiguous())
+
+
+def int4_layout_codes(packed: Tensor) -> Tensor:
+    """The (N, K) codes of an `int4_gemv` packed tensor (the inverse of `int4_layout`'s first half)."""
+    nb, chunks, _ = packed.shape
+    b = packed.reshape(nb, chunks, INT4_ROWS, INT4_CHUNK // 2).permute(0, 2, 1, 3)
+    return torch.stack([b & 0xF, b >> 4], dim=3).reshape(nb * INT4_ROWS, chunks * INT4_CHUNK)
+
+
+def int4_gemv_ref(x: Tensor, packed: Tensor, scale_zeros: Tensor, bias: Optional[Tensor], group_size: int) -> Tensor:
+    """Pure-torch reference of `int4_gemv`: the dequantized weight (q - 8) * s + z' in fp32, x @ w.T
+    (+ bias) in fp32, x's dtype out. (The kernel reads x as int16 per group: relative error ~1e-5.)"""
+    codes = int4_layout_codes(packed).float()
+    sz = scale_zeros.float().permute(0, 3, 1, 2).reshape(codes.shape[0], -1, 2)  # (N, K/G, 2)
+    s, zp = (sz[..., i].repeat_interleave(group_size, dim=1) for i in (0, 1))
+    acc = torch.promote_types(x.dtype, torch.float32)
+    y = x.to(acc) @ ((codes - 8) * s + zp).to(acc).T
+    if bias is not None:
+        y = y + bias.to(acc)
+    return y.to(x.dtype)
