@@ -9,8 +9,10 @@ greedy generates), so drift hits all alike. Each round times every variant once;
 variant to the first is reported as the median of the per-round ratios (paired) and as the ratio of
 medians.
 
-    python benchmarks/ab_decode.py --quant int8-all --a '{"inductor_config": {"cpp.enable_floating_point_contract_flag": "off"}}' --b '{}'
-    python benchmarks/ab_decode.py ... --dtype float32 --rounds 7 --out benchmarks/results/fp_contract_ab_cpu.json   (appends a row)
+    python benchmarks/ab_decode.py --quant int8-all
+        --a '{"inductor_config": {"cpp.enable_floating_point_contract_flag": "off"}}' --b '{}'
+    python benchmarks/ab_decode.py ... --dtype float32 --rounds 7
+        --out benchmarks/results/fp_contract_ab_cpu.json   (appends a row)
     python benchmarks/ab_decode.py --variants '[{"name": "inductor fp32", "backend": "inductor", "dtype": "float32"},
         {"name": "fastflow int8", "quant": "int8"}, {"name": "optimize int8", "quant": "int8", "entry": "optimize"}]'
         (defaults: backend fastflow, --dtype, --quant, options {}, mode None, entry "generate" =
@@ -36,7 +38,8 @@ def _variant(spec: dict, dtype: str, quant: str) -> dict:
     unknown = set(spec) - set(SETUP_KEYS)
     if unknown:
         raise ValueError(f"unknown variant keys {sorted(unknown)}; known: {SETUP_KEYS}")
-    v = {"backend": "fastflow", "dtype": dtype, "quant": quant, "options": {}, "entry": "generate", "mode": None, **spec}
+    v = {"backend": "fastflow", "dtype": dtype, "quant": quant, "options": {}, "entry": "generate", "mode": None,
+         **spec}
     v.setdefault("name", f"{v['backend']} {v['dtype']} {v['quant']}")
     return v
 

@@ -47,7 +47,8 @@ def main():
         args = (q, k, v, torch.tensor(600), mask)
         torch.testing.assert_close(opaque(*args), masked(*args))  # outputs first, then time
         for name, fn in (("opaque slice + SDPA, eager", opaque), ("opaque, in a compiled graph", torch.compile(opaque)),
-                         ("masked full-cache SDPA, eager", masked), ("masked full-cache SDPA, Inductor", torch.compile(masked))):
+                         ("masked full-cache SDPA, eager", masked),
+                         ("masked full-cache SDPA, Inductor", torch.compile(masked))):
             t = bench(fn, args)
             print(f"{str(dtype):15s} {name:34s} median {t[2]:7.1f} us (min {t[0]:.1f}, max {t[-1]:.1f})")
 

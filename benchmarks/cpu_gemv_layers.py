@@ -41,7 +41,8 @@ def _calls(group_size: int) -> dict:
             calls["int8"].append((x[k], torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100))
             calls["bf16"].append((x[k], torch.randn(n, k, dtype=torch.bfloat16)))
             codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-            scale_zeros = int4_cpu_scale_zeros(torch.rand(n, k // group_size) / 10, torch.full((n, k // group_size), 8.0))
+            scale_zeros = int4_cpu_scale_zeros(torch.rand(n, k // group_size) / 10,
+                                               torch.full((n, k // group_size), 8.0))
             calls["int4"].append((x[k], *int4_layout.int4_layout(codes, scale_zeros, group_size)))
             calls["torch_int4"].append((x[k], torch._convert_weight_to_int4pack_for_cpu(codes.int(), 1), scale_zeros))
     return calls
@@ -58,7 +59,8 @@ def measure(group_size: int) -> dict:
         "torch _weight_int8pack_mm": (lambda x, w, s: torch._weight_int8pack_mm(x, w, s.to(x.dtype)), calls["int8"]),
         "fastflow gemv bf16": (lambda x, w: ops.gemv(x, [w], [], []), calls["bf16"]),
         "torch F.linear bf16": (torch.nn.functional.linear, calls["bf16"]),
-        f"fastflow int4_gemv g{group_size}": (lambda x, p, sz: ops.int4_gemv(x, p, sz, None, group_size), calls["int4"]),
+        f"fastflow int4_gemv g{group_size}": (
+            lambda x, p, sz: ops.int4_gemv(x, p, sz, None, group_size), calls["int4"]),
         f"torch _weight_int4pack_mm_for_cpu g{group_size}": (
             lambda x, p, sz: torch._weight_int4pack_mm_for_cpu(x, p, group_size, sz), calls["torch_int4"]),
     }

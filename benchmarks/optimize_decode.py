@@ -65,15 +65,18 @@ def main(argv=None):
             cfg = {"config": name, "dtype": args.dtype, "prompt_len": args.prompt_len, "round": rnd,
                    "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
                    "cache_len": args.prompt_len + args.new_tokens + 256, "text": str(text)}
-            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)], capture_output=True, text=True)
+            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(cfg)],
+                                  capture_output=True, text=True)
             lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
             if proc.returncode or not lines:
                 sys.exit(f"{name} failed: {proc.stderr[-2000:]}")
             res = json.loads(lines[-1])
             results.append(res)
             print(f"round {rnd} {name:20s} decode {statistics.median(res['decode_tok_s_all']):6.1f} tok/s "
-                  f"{[round(x, 1) for x in res['decode_tok_s_all']]}  TTFT {statistics.median(res['ttft_s_all']):.3f} s "
-                  f"{[round(x, 3) for x in res['ttft_s_all']]}  first generate {res['first_generate_s']:.1f} s", flush=True)
+                  f"{[round(x, 1) for x in res['decode_tok_s_all']]}  "
+                  f"TTFT {statistics.median(res['ttft_s_all']):.3f} s "
+                  f"{[round(x, 3) for x in res['ttft_s_all']]}  first generate {res['first_generate_s']:.1f} s",
+                  flush=True)
     same = len({tuple(r["tokens"]) for r in results}) == 1
     summary = {}
     for name in CONFIGS:

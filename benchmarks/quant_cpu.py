@@ -57,7 +57,8 @@ def decode(args) -> dict:
         rates.append(64 / (t_long - t_short))
     text = tok.decode(first[0, ids.shape[1]:ids.shape[1] + 16])
     return {"model": args.model, "dtype": args.dtype, "backend": args.backend, "threads": args.threads,
-            "tok_s_best": round(max(rates), 1), "tok_s_median": round(statistics.median(rates), 1), "tok_s": [round(r, 1) for r in rates],
+            "tok_s_best": round(max(rates), 1), "tok_s_median": round(statistics.median(rates), 1),
+            "tok_s": [round(r, 1) for r in rates],
             "first_run_s": round(compile_s, 1), "text": text}
 
 
@@ -69,7 +70,8 @@ def rss(args) -> dict:
         from transformers import AutoModelForCausalLM  # noqa: F401
         from transformers.models.llama import modeling_llama  # noqa: F401
 
-        return {"model": args.model, "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+        return {"model": args.model,
+                "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
     if args.model == "int8-load":
         model = ffl_backend.load_quantized(args.dir)
     elif args.model == "int8-hf":  # transformers' own loader through the registered quantizer
@@ -100,7 +102,8 @@ def save(args) -> dict:
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("what", choices=["decode", "rss", "save"])
-    p.add_argument("--model", default="int8", help="bf16 | int8 | int8-all | int4 | int4-g32 | w8a8 | fp8 | imports | int8-load | int8-hf | "
+    p.add_argument("--model", default="int8",
+                   help="bf16 | int8 | int8-all | int4 | int4-g32 | w8a8 | fp8 | imports | int8-load | int8-hf | "
                    "<scheme>-quantize (int8-quantize, int8-all-quantize: bf16 loaded, then quantized in-process)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--backend", default="fastflow")

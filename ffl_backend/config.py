@@ -17,14 +17,13 @@ bf16_exact_weights  True (default): on CPU, single-row (decode) fp32 linears who
               the fp32 weights it covers). False: fp32 weights are always read as fp32.
 cpu_gemv      how the decode_gemv family computes single-row CPU linears (int8 weight-only and bf16
               weights, incl. the bf16 copy above): "auto" (default) calls the hand-written kernel
-              `fastflow_cpu::gemv` (kernels/cpu_gemv.cpp, compiled once per machine on first use,
-              ~2x the streaming rate of Inductor's loop) and falls back to "loops" with a warning
+              `fastflow_cpu::gemv` (kernels/cpu_gemv.cpp, compiled once per machine on first use; it
+              streams weights faster than Inductor's loop) and falls back to "loops" with a warning
               where it cannot be built; "kernel" requires it (an error where it cannot be built);
               "loops" lets Inductor generate the multiply + sum loop.
 inductor_config  extra `torch._inductor.config` patches over DEFAULT_INDUCTOR_CONFIG, applied to
-              this compile only, e.g.
-              {"cpp_wrapper": True}: ~5% faster fp32 CPU decode, ~3x longer compile (measured);
-              SmolLM2 int8 decode +3% in separate processes (+16% in one A/B), cold compile 35 -> 113 s.
+              this compile only, e.g. {"cpp_wrapper": True} (what mode "reduce-overhead" sets on CPU,
+              docs/modes.md).
               Inductor's `freezing` cannot be set here: Dynamo decides it at trace time, and with
               HF's static cache it would fold the KV cache into constants. The `packed_linear`
               family gives the CPU weight pre-packing that freezing would have given.
@@ -38,12 +37,11 @@ from .patterns.registry import PATTERN_FAMILIES
 CPU_GEMV_CHOICES = ("auto", "kernel", "loops")
 
 # Inductor settings fastflow changes by default. size_asserts: the compiled wrapper re-checks the size
-# and stride of every input on every call (~580 asserts per SmolLM2 decode step, ~0.3 ms); Dynamo's
-# tensor guards have already checked the same static sizes and strides before the call.
+# and stride of every input on every call (hundreds of asserts per decode step); Dynamo's tensor
+# guards have already checked the same static sizes and strides before the call.
 # cpp.enable_floating_point_contract_flag: Inductor compiles its C++ with -ffp-contract=off, so every
 # `acc + x * w` of a decode GEMV is a multiply and a dependent add; "fast" lets the compiler emit one
-# FMA (one rounding instead of two). SmolLM2 decode, in-process A/B (benchmarks/ab_decode.py,
-# benchmarks/results/fp_contract_ab_cpu.json): int8-all +11%, int8 +8%, int4-all +8%, fp32 +12%, bf16 +5%.
+# FMA (one rounding instead of two); the decode A/B is benchmarks/results/fp_contract_ab_cpu.json.
 DEFAULT_INDUCTOR_CONFIG = {"size_asserts": False, "cpp.enable_floating_point_contract_flag": "fast"}
 
 

@@ -185,7 +185,8 @@ class DecodeLoop:
         else:
             # as generate() decides it, before the config absorbs the defaults
             defaults = {name: kwargs.get(name) is None and getattr(generation_config, name, None) is None
-                        and getattr(self.model.generation_config, name) is None for name in ("max_length", "min_length")}
+                        and getattr(self.model.generation_config, name) is None
+                        for name in ("max_length", "min_length")}
             gc, model_kwargs = self.model._prepare_generation_config(generation_config, **kwargs)
             reason = _unsupported(self.model, gc, model_kwargs, extra)
         if reason is not None:

@@ -18,7 +18,8 @@ def headline(grid: dict, dtype: str) -> str:
     inductor = max((r for r in rows if r["backend"] == "inductor"), key=lambda r: r["decode_tok_s"], default=None)
     if ours is None or inductor is None:
         return "fastflow or Inductor did not finish: see the table"
-    text = (f"fastflow {dtype}: {ours['decode_tok_s']:.1f} tok/s = {ours['decode_tok_s'] / inductor['decode_tok_s']:.2f}x "
+    text = (f"fastflow {dtype}: {ours['decode_tok_s']:.1f} tok/s = "
+            f"{ours['decode_tok_s'] / inductor['decode_tok_s']:.2f}x "
             f"the fastest Inductor row here ({inductor['dtype']}, {inductor['decode_tok_s']:.1f} tok/s)")
     llama = next((r for r in rows if r["backend"] == "llamacpp" and r["dtype"] == dtype), None)
     if llama is not None:

@@ -11,10 +11,10 @@ import weakref
 
 logger = logging.getLogger("ffl_backend")
 
-# Dynamo checks ~600 tensor guards per decode step of a 30-layer model (0.7 ms on our CPU). With
-# recursive dict tags it skips any nn.Module subtree whose __dict__s are unchanged since the last
-# call (0.45 ms). torch caps the objects it tracks at 256 by default, fewer than a 30-layer model
-# has, which silently disables the fast path; this raises the cap.
+# Dynamo checks hundreds of tensor guards per decode step of a 30-layer model. With recursive dict
+# tags it skips any nn.Module subtree whose __dict__s are unchanged since the last call. torch caps
+# the objects it tracks at 256 by default, fewer than a 30-layer model has, which silently disables
+# that fast path; this raises the cap.
 FAST_GUARD_CONFIG = {"use_recursive_dict_tags_for_guards": True,
                      "max_saved_pointers_for_recursive_dict_tags_check": 8192}
 

@@ -98,8 +98,8 @@ def test_custom_stopping_criteria_run_as_transformers_runs_them():
             return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 9, dtype=torch.bool)
 
     ids = torch.randint(3, 128, (1, 5))
-    ours, theirs = _both(dict(max_new_tokens=10, do_sample=False, stopping_criteria=StoppingCriteriaList([StopAfter()])),
-                         ids)
+    stop = StoppingCriteriaList([StopAfter()])
+    ours, theirs = _both(dict(max_new_tokens=10, do_sample=False, stopping_criteria=stop), ids)
     assert torch.equal(ours, theirs) and ours.shape[1] == 9
 
 

@@ -18,7 +18,8 @@ ENTRIES = ("torch.compile", "model.compile", "CompileConfig")
 NEW = 6
 CASES = ([(arch, mode, entry) for arch in ARCHS for mode in MODES for entry in ENTRIES]
          if os.environ.get("FFL_FULL_MODE_MATRIX") == "1" else
-         [(arch, mode, ENTRIES[(a + m) % len(ENTRIES)]) for a, arch in enumerate(ARCHS) for m, mode in enumerate(MODES)])
+         [(arch, mode, ENTRIES[(a + m) % len(ENTRIES)])
+          for a, arch in enumerate(ARCHS) for m, mode in enumerate(MODES)])
 
 
 def _static_greedy(model, ids):

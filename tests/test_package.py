@@ -64,7 +64,8 @@ def test_every_torch_compile_mode_is_accepted():
 
     assert set(MODES) == set(list_mode_options())
     for mode in (None, *MODES):
-        for opts in (BackendOptions.parse(mode=mode), BackendOptions.parse(options={"mode": mode, "on_error": "raise"})):
+        with_options = BackendOptions.parse(options={"mode": mode, "on_error": "raise"})
+        for opts in (BackendOptions.parse(mode=mode), with_options):
             patches = opts.inductor_patches("cuda")
             assert all(patches[k] == v for k, v in list_mode_options(mode or "default").items())
     cpu = BackendOptions.parse(mode="reduce-overhead").inductor_patches("cpu")

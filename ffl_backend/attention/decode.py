@@ -7,15 +7,11 @@ tensor, not an int, so one compiled decode graph serves every step and every pro
 would be a guard and a recompile per token. Only the first `filled` slots are read. `mask`: optional
 boolean HF mask (B or 1, 1, Lq, >= filled), ANDed with causal + window (reference.py).
 
-CPU path, chosen by measurement (benchmarks/attention_cpu_paths.py; SmolLM2 shapes: 9 q heads,
-3 kv heads, D 64, cache 2048, filled 600, Lq 1, 2 threads, median of 5x300 calls, quiet machine):
-                                              fp32      bf16
-    opaque op: slice to filled + SDPA(gqa)     65 us     59 us   (104 / 89 us as a compiled graph)
-    masked full-cache SDPA, eager             142 us     94 us
-    masked full-cache SDPA, Inductor          213 us    123 us   (the HF sdpa + static cache path)
-(Under load from other jobs the same ordering held: 80 / 79 us vs 221 / 115 and 358 / 178 us.)
-So the op is an opaque `custom_op` (the data-dependent slice is legal inside it; Inductor could not
-trace it without an unbacked size). Its CPU body runs the C++ kernel `fastflow_cpu::decode_attention`
+CPU path, chosen by measurement (benchmarks/attention_cpu_paths.py): slicing the cache to the
+filled length and calling SDPA with GQA beats a masked SDPA over the whole cache, eager or compiled
+(HF's sdpa + static cache path), because it reads only the filled slots. So the op is an opaque
+`custom_op` (the data-dependent slice is legal inside it; Inductor could not trace it without an
+unbacked size). Its CPU body runs the C++ kernel `fastflow_cpu::decode_attention`
 (kernels/cpu_attention.cpp) for up to CPU_KERNEL_MAX_ROWS query rows per KV head -- it reads only the
 filled slots with no slice, mask copy or SDPA call -- and slices + SDPA with `enable_gqa` beyond that.
 
@@ -134,10 +130,10 @@ if HAS_TRITON:
         offs_d = tl.arange(0, BLOCK_D)
         d_ok = offs_d < head_dim
         m = tl.load(ml_ptr + (row * n_splits + s) * 2, mask=s_ok, other=float("-inf"))
-        l = tl.load(ml_ptr + (row * n_splits + s) * 2 + 1, mask=s_ok, other=0.0)
+        denom = tl.load(ml_ptr + (row * n_splits + s) * 2 + 1, mask=s_ok, other=0.0)
         m_max = tl.max(m, 0)
         w = tl.math.exp2(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-        total = tl.sum(l * w, 0)
+        total = tl.sum(denom * w, 0)
         acc = tl.load(acc_ptr + (row * n_splits + s)[:, None] * head_dim + offs_d[None, :],
                       mask=s_ok[:, None] & d_ok[None, :], other=0.0)
         out = tl.sum(acc * w[:, None], 0) / tl.where(total > 0, total, 1.0)
@@ -207,7 +203,7 @@ def attention_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Te
         causal = visible(q_len, n, window, q.device)
         if q_len == n and window <= 0 and (ok is None or bool((ok | ~causal).all())):
             # A prompt from slot 0 without padding: the mask adds nothing to causality, and SDPA's
-            # is_causal path is ~30% faster than a boolean mask (512-token SmolLM2 prefill, bf16).
+            # is_causal path is faster than a boolean mask (benchmarks/attention_cpu_paths.py).
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).contiguous()
         ok = causal if ok is None else ok & causal
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=ok, scale=scale, enable_gqa=True)

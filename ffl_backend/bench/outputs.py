@@ -66,7 +66,8 @@ def table(grid: dict) -> str:
             f"{1000 * r['ttft_s']:.0f} | {_fmt(r.get('prefill_tok_s'), '.0f')} | "
             f"{_fmt(r.get('compile_cold_s', r.get('first_generate_s')), '.1f')} / "
             f"{_fmt(r.get('compile_warm_s'), '.1f')} | {_fmt(r.get('load_s'), '.1f')} | "
-            f"{r['peak_rss_mb']:.0f} ({_fmt(r.get('model_peak_rss_mb'), '.0f')}) | {_fmt(r.get('effective_gbs'), '.1f')} "
+            f"{r['peak_rss_mb']:.0f} ({_fmt(r.get('model_peak_rss_mb'), '.0f')}) | "
+            f"{_fmt(r.get('effective_gbs'), '.1f')} "
             f"({_fmt(r.get('pct_of_ceiling'), '.0f')}%) | {_fmt(r.get('recompiles'), 'd')} | "
             f"{_agreement_cell(r)} |")
     return "\n".join(rows)
@@ -178,8 +179,9 @@ def write_png(grid: dict, path: str) -> None:
     fig.suptitle(f"{model}: greedy decode, {st.get('new_tokens')} new tokens\n{env['machine']}, "
                  f"torch {env['torch']}", fontsize=10)
     # The long explanations go under the figure, not into axis labels that would collide.
-    fig.supxlabel("Bars: median of the timed generates, whiskers: min-max. Speedup: decode tok/s over unquantized "
-                  "Inductor of the same dtype, batch and prompt" + (" (median of per-round ratios)." if paired else "."),
+    fig.supxlabel("Bars: median of the timed generates, whiskers: min-max. "
+                  "Speedup: decode tok/s over unquantized Inductor of the same dtype, batch and prompt"
+                  + (" (median of per-round ratios)." if paired else "."),
                   fontsize=8, wrap=True)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -85,7 +85,8 @@ class Server:
         if path == "/health" and method == "GET":
             return await self._json(writer, 200, {"status": "ok", **self.engine.stats()})
         if path == "/v1/models" and method == "GET":
-            return await self._json(writer, 200, {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
+            return await self._json(writer, 200,
+                                    {"object": "list", "data": [{"id": self.model_name, "object": "model"}]})
         if path != "/v1/completions":
             return await self._error(writer, 404, f"no route {path}")
         if method != "POST":

@@ -79,8 +79,8 @@ def library_path() -> Path:
     """Where the built library for this source, torch, compile command and CPU lives."""
     key = hashlib.sha256()
     flags = " ".join(_compile_command(Path("out.so")))
-    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), torch.__version__.encode(), flags.encode(), _cpu_flags().encode(),
-                 sys.version.encode()):
+    for part in (*(p.read_bytes() for p in SOURCES + HEADERS), torch.__version__.encode(), flags.encode(),
+                 _cpu_flags().encode(), sys.version.encode()):
         key.update(part)
     return _cache_dir() / f"cpu_gemv_{key.hexdigest()[:16]}.so"
 

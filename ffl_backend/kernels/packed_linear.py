@@ -1,8 +1,8 @@
 """`torch.ops.fastflow.packed_linear`: a CPU linear over a weight pre-packed once for oneDNN.
 
 Why: at batch 1 a bf16/fp16 `F.linear` on CPU re-lays the weight out for oneDNN on every call and
-runs compute-bound (~6 GB/s on SmolLM2's shapes), while the same GEMV on a pre-packed weight is
-2-10x faster with bit-identical results (benchmarks/cpu_linear_paths.py). Inductor only pre-packs
+runs compute-bound, while the same GEMV on a pre-packed weight is several times faster with
+bit-identical results (tests/kernels/test_packed_linear.py checks the results). Inductor only pre-packs
 under freezing, which it decides at Dynamo trace time and which also folds HF's static KV cache
 (marked static) into constants: wrong tokens. So fastflow packs the weights itself.
 

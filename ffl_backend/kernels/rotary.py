@@ -72,26 +72,26 @@ if HAS_TRITON:
         bl = tl.program_id(0).to(tl.int64)
         hb = tl.program_id(1)
         b = bl // seq_len
-        l = bl % seq_len
+        pos = bl % seq_len
         n_qb = tl.cdiv(n_q, HEADS)
         if hb < n_qb:
             h0 = hb * HEADS
             n_h = n_q
-            x_row = q_ptr + b * q_sb + l * q_sl
+            x_row = q_ptr + b * q_sb + pos * q_sl
             x_sh = q_sh
             x_sd = q_sd
-            o_row = qo_ptr + (b * n_q * seq_len + l) * head_dim
+            o_row = qo_ptr + (b * n_q * seq_len + pos) * head_dim
         else:
             h0 = (hb - n_qb) * HEADS
             n_h = n_k
-            x_row = k_ptr + b * k_sb + l * k_sl
+            x_row = k_ptr + b * k_sb + pos * k_sl
             x_sh = k_sh
             x_sd = k_sd
-            o_row = ko_ptr + (b * n_k * seq_len + l) * head_dim
+            o_row = ko_ptr + (b * n_k * seq_len + pos) * head_dim
         h = (h0 + tl.arange(0, HEADS))[:, None]
         x_head = x_row + h * x_sh  # [HEADS, 1] row starts in the strided input
         o_head = o_row + h * (seq_len * head_dim)  # contiguous (B, H, L, D) output
-        cs_row = b * cs_sb + l * cs_sl
+        cs_row = b * cs_sb + pos * cs_sl
 
         # Pairs (i, i + half) for i < half = rotary_dim / 2 (may be < BLOCK_D / 2: masked). cos/sin
         # are loaded once per program and broadcast over its heads.

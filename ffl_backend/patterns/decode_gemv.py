@@ -3,28 +3,21 @@
 A batch-1 decode step multiplies one activation row by every weight matrix once: GEMVs, bound by
 how fast the weights stream from cache. Inductor turns `(x[..., None, :] * w).sum(-1)` into one
 vectorized reduction loop per output row, split across threads, with the weight converted in
-registers and never materialized. On SmolLM2-135M's decode step (2 threads, this CPU, tok/s) that
-beats the library GEMVs it replaces:
-
-    bf16 weights   oneDNN on pre-packed weights (packed_linear)   47  ->  multiply + sum  52
-    int8 weights   torch._weight_int8pack_mm                      67  ->  multiply + sum  73
-    fp32 weights   MKL F.linear                                   40  ->  multiply + sum  ~40
-    fp32 weights that are exact bf16 values, read as a bf16 copy  40  ->                  58
-
-The hand-written kernel (kernels/cpu_gemv.cpp; option `cpu_gemv`, default "auto") goes further: it
-prefetches ahead into L1 and L2, which Inductor's loop cannot, and streams int8 weights 1.3-3x faster. Decode
-tok/s, Inductor loop -> kernel, in one process (benchmarks/ab_decode.py, option cpu_gemv "loops" vs
-default; benchmarks/results/cpu_gemv_ab_cpu.json): int8 70 -> 98, int8-all 73 -> 103, bf16 52 -> 69,
-fp32 56 -> 75. Siblings reading one row (q/k/v, gate/up) become one call (decode_gemv_calls.py). Where the
-kernel cannot be built the family keeps the multiply + sum loops, described next.
+registers and never materialized; at batch 1 that beats the library GEMVs it replaces (oneDNN on
+pre-packed bf16 weights, torch's int8 kernel; fp32 MKL about equal). The hand-written kernel
+(kernels/cpu_gemv.cpp; option `cpu_gemv`, default "auto") goes further: it prefetches ahead into L1
+and L2, which Inductor's loop cannot (the A/B: benchmarks/ab_decode.py, option cpu_gemv "loops" vs
+the default, benchmarks/results/cpu_gemv_ab_cpu.json). Siblings reading one row (q/k/v, gate/up)
+become one call (decode_gemv_calls.py). Where the kernel cannot be built the family keeps the
+multiply + sum loops.
 
 So the family takes bf16 linears, `fastflow.int8_linear` (weight-only int8; the scale multiplies
 the sum), and fp32 linears whose weight values are all exactly representable in bf16 (a bf16
 checkpoint loaded in fp32, as SmolLM2 is): those read a bf16 copy of the weight, half the bytes,
 with the same products and the same fp32 accumulation -- lossless. Other fp32 weights stay on MKL
-(no measured gain), fp16 on packed_linear (not measured). int4 linears are not this family's: their
-modules already run fastflow's int4 kernel (kernels/quant_linear.py), or torch's packed one where it
-cannot be built (nibble unpacking does not vectorize in Inductor's C++: 0.8-3 GB/s against 6.8).
+(no measured gain), fp16 on packed_linear. int4 linears are not this family's: their modules
+already run fastflow's int4 kernel (kernels/quant_linear.py), or torch's packed one where it cannot
+be built (nibble unpacking does not vectorize in Inductor's C++).
 
 Matched only where the activation has exactly one row and a static shape (multi-row prefill and
 batched decode keep the GEMM libraries), on CPU, and only when Inductor compiles the graph: run
@@ -56,8 +49,7 @@ def _row_dot(x: Tensor, weight: Tensor) -> Tensor:
     """x (..., K) times every row of weight (N, K) -> (..., N), in fp32 (or wider)."""
     acc = torch.promote_types(x.dtype, torch.float32)
     # as_strided makes Inductor store x (in fp32) once. Otherwise it inlines x's producer (RMSNorm,
-    # rotary, attention output) into the reduction and recomputes it for every weight row: 1.2x
-    # slower decode step.
+    # rotary, attention output) into the reduction and recomputes it for every weight row.
     row = x.to(acc)
     row = torch.as_strided(row, row.shape, row.stride())
     return (row.unsqueeze(-2) * weight.to(acc)).sum(-1)
@@ -127,7 +119,8 @@ def use_kernel(options) -> bool:
     if cpu_lib.load():
         return True
     if options.cpu_gemv == "kernel":
-        raise RuntimeError(f"fastflow: cpu_gemv='kernel' but the CPU GEMV kernel is unavailable: {cpu_lib.load_error()}")
+        raise RuntimeError("fastflow: cpu_gemv='kernel' but the CPU GEMV kernel is unavailable: "
+                           f"{cpu_lib.load_error()}")
     return False
 
 

@@ -113,6 +113,20 @@ def erase_dead(graph: fx.Graph, nodes) -> None:
             graph.erase_node(node)
 
 
+def replace_by_slices(graph: fx.Graph, nodes: list, fused: fx.Node) -> None:
+    """Replace each of `nodes` by its slice of `fused`, their outputs concatenated along the last dim
+    in this order (a horizontal fusion's one call), then erase them."""
+    sizes = [value(n).shape[-1] for n in nodes]
+    with graph.inserting_after(fused):
+        parts = graph.call_function(torch.split, (fused, sizes), {"dim": -1})
+    with graph.inserting_after(parts):
+        outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(nodes))]
+    for old, new in zip(nodes, outs):
+        copy_meta(new, old)
+        old.replace_all_uses_with(new)
+    erase_dead(graph, nodes)
+
+
 def call_op(graph: fx.Graph, op, args, like: fx.Node, n_outputs: int = 1):
     """Insert `op(*args)` before `like`; return the node, or its `n_outputs` getitem nodes."""
     with graph.inserting_before(like):

@@ -1,18 +1,18 @@
 """Horizontal fusion for int4 linears on CPU: siblings reading one input become one packed GEMM.
 
 An int4 model's decode step calls its CPU int4 kernel (fastflow's `int4_gemv`, or torch's
-`_weight_int4pack_mm_for_cpu` where that is not built) once per linear: 7 per Llama layer. At batch 1 each call is a few microseconds of fixed cost (the compiled wrapper's Python
-line, the dispatcher, a thread fork/join) on ~20 us of work, so q/k/v and gate/up -- linears that
-read the same activation -- are fused into one call each, as `horizontal` does for dense linears:
-7 calls per layer become 4 (SmolLM2 int4-all decode: 104 -> 113 tok/s, measured in one process).
+`_weight_int4pack_mm_for_cpu` where that is not built) once per linear: 7 per Llama layer. At batch 1
+each call's fixed cost (the wrapper's call, the dispatcher, a thread fork/join) is a sizeable share
+of its work, so q/k/v and gate/up -- linears that read the same activation -- are fused into one
+call each, as `horizontal` does for dense linears: 7 calls per layer become 4.
 int8 linears are left alone: decode_gemv reads their siblings in one call of the CPU GEMV kernel
 with no fused copy.
 
 fastflow's layout blocks rows in 16s, so its forms always concatenate (codes and scale tables);
 torch's CPU packing blocks rows in 64s, so concatenating its packs is right only when every member
 but the last has a multiple of 64 rows (tests/patterns/test_horizontal_int4.py). Where it is,
-`quant.weight_layout.share_sibling_packs` (run by quantize() and the loaders) already made the members' forms consecutive
-slices of one tensor, and the fusion uses that tensor: no copy (SmolLM2: q/k/v 576+192+192 rows,
+`quant.weight_layout.share_sibling_packs` (run by quantize() and the loaders) already made the members'
+forms consecutive slices of one tensor, and the fusion uses that tensor: no copy (SmolLM2: q/k/v 576+192+192 rows,
 gate/up 1536+1536, all shareable). Elsewhere the fused weight is packed afresh from the
 concatenated portable form (codes, scales, zeros), a compile-time constant made once per set of
 weights (weight_cache), like the dense fused weights: changing weights after compiling needs
@@ -20,7 +20,6 @@ weights (weight_cache), like the dense fused weights: changing weights after com
 """
 from __future__ import annotations
 
-import operator
 from collections import defaultdict
 
 import torch
@@ -106,18 +105,12 @@ def fuse_int4_siblings(gm: fx.GraphModule, ctx) -> int:
         if packed is None:
             ctx.decline("horizontal", nodes[0], "torch's CPU int4 pack refuses the fused shape")
             continue
-        sizes = [p[0].shape[0] for p in portables]
         with graph.inserting_before(nodes[0]):
             bias = (_constant(gm, weight_cache.derived(_key("int4_bias", list(biases)), biases[0],
                                                        lambda _: torch.cat([b.detach() for b in biases])))
                     if biases[0] is not None else None)
             fused = graph.call_function(int4_cpu_linear, (
                 x, _constant(gm, packed), _constant(gm, scale_zeros), group_size, bias))
-            parts = graph.call_function(torch.split, (fused, sizes), {"dim": -1})
-            outs = [graph.call_function(operator.getitem, (parts, i)) for i in range(len(nodes))]
-        for old, new in zip(nodes, outs):
-            U.copy_meta(new, old)
-            old.replace_all_uses_with(new)
-        U.erase_dead(graph, nodes)
+        U.replace_by_slices(graph, list(nodes), fused)
         count += 1
     return count

@@ -140,8 +140,8 @@ def _calibrate(model, targets: dict, cfg: QuantConfig, calibration_data, kept: d
     if not cfg.needs_calibration:
         return {}
     if calibration_data is None:
-        raise ValueError("w8a8 with static=True, smoothquant_alpha or min_output_sqnr needs calibration_data: an iterable of "
-                         "input_ids tensors ((1, L) or (B, L)) from text like the model's real inputs")
+        raise ValueError("w8a8 with static=True, smoothquant_alpha or min_output_sqnr needs calibration_data: "
+                         "an iterable of input_ids tensors ((1, L) or (B, L)) from text like the model's real inputs")
     absmax, token_absmax, groups = calibration.collect(model, list(targets), calibration_data)
     missing = [n for n in targets if n not in absmax]
     if missing:
@@ -153,7 +153,8 @@ def _calibrate(model, targets: dict, cfg: QuantConfig, calibration_data, kept: d
 
         plan = search(model, targets, groups, dynamic, cfg, calibration_data)
     alphas = plan.alphas if plan is not None else cfg.smoothquant_alpha
-    own = calibration.smooth(targets, groups, absmax, alphas, keep=plan.kept if plan else ()) if alphas is not None else {}
+    own = (calibration.smooth(targets, groups, absmax, alphas, keep=plan.kept if plan else ())
+           if alphas is not None else {})
     if plan is not None:
         for name, reason in plan.kept.items():
             del targets[name]

@@ -41,7 +41,8 @@ def as_batches(calibration_data) -> list[Tensor]:
         if ids.dim() == 1:
             ids = ids[None]
         if ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"calibration input_ids must be integer (B, L) tensors, got {tuple(ids.shape)} {ids.dtype}")
+            raise ValueError("calibration input_ids must be integer (B, L) tensors, "
+                             f"got {tuple(ids.shape)} {ids.dtype}")
         batches.append(ids.long())
     if not batches:
         raise ValueError("calibration_data is empty")
@@ -122,8 +123,8 @@ def collect(model: nn.Module, names: list[str], calibration_data) -> tuple[dict,
 
 def token_range_ratio(token_absmax: Tensor, quantile: float = 0.99) -> float:
     """Largest token's range over the `quantile` token's: how much one static per-tensor scale
-    (set by the largest) coarsens the grid for typical tokens. Attention-sink tokens make this
-    10-100x in some layers, where a static scale leaves typical tokens a handful of levels."""
+    (set by the largest) coarsens the grid for typical tokens. Attention-sink tokens make this large
+    in some layers, where a static scale leaves typical tokens a handful of levels."""
     typical = torch.quantile(token_absmax, quantile).clamp_min(1e-12)
     return (token_absmax.max() / typical).item()
 

@@ -17,8 +17,8 @@ import time
 import torch
 
 WINDOW = 512
-# GPTQ's Hessians want more tokens than w8a8's ranges: on SmolLM2 int4 g128, 2048 tokens gave +5.3%
-# perplexity, 8192 +3.1% (16384: +4.0%, no further gain).
+# GPTQ's Hessians want more tokens than w8a8's ranges; beyond this many perplexity did not improve
+# on SmolLM2 (docs/quantization.md).
 GPTQ_CALIB_TOKENS = 8192
 
 
@@ -95,7 +95,8 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=_alpha, default=None,
                         help="w8a8: SmoothQuant alpha, or 'auto' (per input group, least output error)")
     parser.add_argument("--clip-search", action="store_true",
-                        help="w8a8 static: search each layer's static scale (clip ratio x absmax) for least output error")
+                        help="w8a8 static: search each layer's static scale (clip ratio x absmax) "
+                             "for least output error")
     parser.add_argument("--min-output-sqnr", type=float, default=None,
                         help="w8a8: keep layers whose calibration output SQNR (dB) is below this in high precision")
     parser.add_argument("--static-range-limit", type=float, default=8.0,
@@ -159,7 +160,8 @@ def eval_ppl_main(argv=None) -> int:
     for r in results:
         r["delta_pct"] = round(100.0 * (r["ppl"] / ref - 1.0), 3)
         counts = ", ".join(f"{n} {k}" for k, n in r.get("linears", {}).items())
-        print(f"{r['model']:<28} ppl {r['ppl']:8.3f}  ({r['delta_pct']:+.2f}%)" + (f"  linears: {counts}" if counts else ""))
+        print(f"{r['model']:<28} ppl {r['ppl']:8.3f}  ({r['delta_pct']:+.2f}%)"
+              + (f"  linears: {counts}" if counts else ""))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"tokens": eval_ids.numel(), "window": args.window, "results": results}, fh, indent=1)

@@ -17,10 +17,10 @@ DEFAULT_SKIP = ("lm_head", "*embed*", "*wte", "*wpe")
 # Named configs beyond the schemes' defaults, each a list of configs applied in order (a later step
 # quantizes what earlier ones left in high precision). "int8-all": int8 everywhere, embeddings and
 # lm_head included (a tied pair shares one int8 table). "int4-all": int4 linears in groups of 32 (the
-# group of llama.cpp's Q4 formats), then the embedding and lm_head in int8. On SmolLM2 the int8 head
-# adds ~0.1% perplexity and ~15-20% decode speed. "w8a8-static": static activation scales chosen by
-# measured output error (per-group SmoothQuant alpha, clip search; quant/w8a8_search.py), layers still
-# below 22 dB output SQNR kept in high precision (SmolLM2: +1.8% perplexity, 207 of 210 linears int8).
+# group of llama.cpp's Q4 formats), then the embedding and lm_head in int8 (the head is a large share
+# of a small model's bytes). "w8a8-static": static activation scales chosen by measured output error
+# (per-group SmoothQuant alpha, clip search; quant/w8a8_search.py), layers still below 22 dB output
+# SQNR kept in high precision. Quality and speed of each: docs/quantization.md.
 PRESETS = {
     "int8-all": [{"scheme": "int8", "skip": ()}],
     "int4-all": [{"scheme": "int4", "group_size": 32}, {"scheme": "int8", "include": DEFAULT_SKIP, "skip": ()}],

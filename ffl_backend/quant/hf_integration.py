@@ -2,8 +2,9 @@
 
 transformers lets a library register its own quantization config and quantizer
 (`transformers.quantizers.auto.register_quantization_config` / `register_quantizer`). Once
-`register_with_transformers()` has run (`save_quantized` and `load_quantized` call it; call it yourself in a fresh process before `from_pretrained`), a folder whose
-config.json carries `quantization_config: {"quant_method": "fastflow", ...}` loads quantized:
+`register_with_transformers()` has run (`save_quantized` and `load_quantized` call it; call it
+yourself in a fresh process before `from_pretrained`), a folder whose config.json carries
+`quantization_config: {"quant_method": "fastflow", ...}` loads quantized:
 
 1. transformers builds the model on the meta device; `_process_model_before_weight_loading` swaps
    every listed nn.Linear for an empty quantized module (the specs saved in the config);

@@ -61,7 +61,8 @@ class QuantizedLinear(QuantizedModule):
             self.bias = linear.bias.detach().clone()
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, "
+                f"bias={self.bias is not None}")
 
 
 class Int8Linear(QuantizedLinear):
@@ -229,7 +230,8 @@ class Fp8Linear(QuantizedLinear):
 
     def __init__(self, in_features, out_features, dtype, has_bias, device=None):
         super().__init__(in_features, out_features, dtype, has_bias, device)
-        self.register_buffer("qweight", torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
+        self.register_buffer("qweight",
+                             torch.empty(out_features, in_features, dtype=torch.float8_e4m3fn, device=device))
         self.register_buffer("w_scale", torch.empty(out_features, dtype=torch.float32, device=device))
 
     @classmethod

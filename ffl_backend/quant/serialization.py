@@ -1,8 +1,9 @@
 """Save a quantized model and load it back quantized, without re-quantizing.
 
 A saved folder holds `config.json` (the HF config, with a `quantization_config` that lets
-`AutoModelForCausalLM.from_pretrained(folder)` load it quantized: quant/hf_integration.py), `model.safetensors` (canonical quantized buffers
-and the high-precision rest) and `ffl_quant.json` (the quant config and each quantized module's
+`AutoModelForCausalLM.from_pretrained(folder)` load it quantized: quant/hf_integration.py),
+`model.safetensors` (canonical quantized buffers and the high-precision rest) and `ffl_quant.json`
+(the quant config and each quantized module's
 spec). Loading builds the architecture on the meta device, swaps in empty quantized modules, and
 assigns the saved tensors: the high-precision model is never materialized, so peak memory is the
 quantized model's.
@@ -166,7 +167,8 @@ def _check_tensors(model: nn.Module, tensors: dict, folder: Path) -> None:
     missing = sorted(set(expected) - set(tensors))
     unexpected = sorted(set(tensors) - set(expected))
     wrong = [f"{k}: saved {tuple(tensors[k].shape)} {tensors[k].dtype}, expected {tuple(v.shape)} {v.dtype}"
-             for k, v in expected.items() if k in tensors and (tensors[k].shape != v.shape or tensors[k].dtype != v.dtype)]
+             for k, v in expected.items()
+             if k in tensors and (tensors[k].shape != v.shape or tensors[k].dtype != v.dtype)]
     if missing or unexpected or wrong:
         raise ValueError(f"{folder / WEIGHTS} does not match {MANIFEST} and config.json: "
                          f"missing {missing[:3]}, unexpected {unexpected[:3]}, mismatched {wrong[:3]}")

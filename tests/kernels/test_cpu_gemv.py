@@ -218,7 +218,8 @@ def test_grouping_hoists_a_later_members_constant_weight():
     lin1 = g.call_function(torch.nn.functional.linear, (x, g.get_attr("w1")))
     lin2 = g.call_function(torch.nn.functional.linear, (x, g.get_attr("w2")))
     g.output((lin1, lin2))
-    members = [KernelGemv(lin, x, lin.args[1], torch.bfloat16, rows, None, None) for lin, rows in ((lin1, 8), (lin2, 4))]
+    members = [KernelGemv(lin, x, lin.args[1], torch.bfloat16, rows, None, None)
+               for lin, rows in ((lin1, 8), (lin2, 4))]
     emit_kernel_calls(gm, members)
     g.lint()
     gm.recompile()

@@ -119,7 +119,8 @@ def test_quantize_with_gptq_end_to_end(llama, tmp_path):
     assert not any(m._forward_hooks for m in model.modules())  # calibration hooks removed
     assert P.sqnr(llama(ids).logits, model(ids).logits) > 15.0  # the int4 RTN floor in test_quantize
     rtn = ffl_backend.quantize(copy.deepcopy(llama), ffl_backend.QuantConfig("int4", group_size=32))
-    assert any(not torch.equal(m.portable_qweight(), quantized_modules(rtn)[n].portable_qweight()) for n, m in swapped.items())
+    rtn_modules = quantized_modules(rtn)
+    assert any(not torch.equal(m.portable_qweight(), rtn_modules[n].portable_qweight()) for n, m in swapped.items())
     ffl_backend.quant.save_quantized(model, tmp_path)  # same layout: save/load need no GPTQ knowledge
     loaded = ffl_backend.load_quantized(tmp_path)
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)

@@ -1,0 +1,98 @@
+"""Prompt processing's linears alone: M rows (a 512-token prompt) through one SmolLM2-135M layer's
+seven linears (q, k, v, o, gate, up, down; random weights) per candidate CPU path, bf16 activations.
+
+Candidates per weight format: the kernel the quantized module calls today, and "widen then GEMM":
+the weight widened to bf16 (int8 * scale, or int4 (q - 8) * s + z') right before a oneDNN bf16
+GEMM, whose AMX / AVX-512-BF16 paths serve the multiply. Median and min of 5 passes over 30 layers'
+worth of calls (each layer its own weights, as in a real prompt).
+
+    python benchmarks/prefill_linear_paths.py [--rows 512] [--out benchmarks/results/prefill_linear_paths_cpu.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
+LAYERS = 30
+GROUP = 32
+
+
+def _time_passes(fn, calls, passes: int = 5) -> dict:
+    fn(*calls[0])
+    times = []
+    for _ in range(passes):
+        start = time.perf_counter()
+        for args in calls:
+            fn(*args)
+        times.append(time.perf_counter() - start)
+    return {"median_ms": round(statistics.median(times) * 1e3, 1), "min_ms": round(min(times) * 1e3, 1)}
+
+
+def _layers(rows: int) -> list:
+    from ffl_backend import numerics as P
+    from ffl_backend.kernels.quant_linear import int4_cpu_form
+
+    x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+    out = []
+    for _ in range(LAYERS):
+        for n, k in SMOLLM2_LAYER:
+            w = torch.randn(n, k) / k**0.5
+            q8, s8 = P.quantize_int8(w, torch.bfloat16)
+            q4, s4, z4 = P.quantize_int4(w, GROUP, scale_dtype=torch.bfloat16)
+            packed4, sz4 = int4_cpu_form(P.pack_int4(q4), s4, z4, GROUP)
+            out.append(dict(x=x[k], w=w.to(torch.bfloat16), q8=q8, s8=s8, q4=P.pack_int4(q4), s4=s4, z4=z4,
+                            packed4=packed4, sz4=sz4))
+    return out
+
+
+def candidates() -> dict:
+    from ffl_backend import numerics as P
+
+    def int4_kernel(c):
+        return torch.ops.fastflow_cpu.int4_gemv(c["x"], c["packed4"], c["sz4"], None, GROUP)
+
+    return {
+        "bf16 F.linear": lambda c: F.linear(c["x"], c["w"]),
+        "int8 _weight_int8pack_mm": lambda c: torch._weight_int8pack_mm(c["x"], c["q8"], c["s8"]),
+        "int8 widen then GEMM": lambda c: F.linear(c["x"], c["q8"].to(torch.bfloat16) * c["s8"][:, None]),
+        "int4 fastflow int4_gemv": int4_kernel,
+        "int4 widen then GEMM": lambda c: F.linear(
+            c["x"], P.dequantize_int4(c["q4"], c["s4"], c["z4"], GROUP, torch.bfloat16)),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=512)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    from ffl_backend.kernels import cpu_lib
+
+    if not cpu_lib.load():
+        raise SystemExit(f"CPU kernels not built: {cpu_lib.load_error()}")
+    torch.manual_seed(0)
+    layers = _layers(args.rows)
+    flops = 2 * args.rows * sum(n * k for n, k in SMOLLM2_LAYER) * LAYERS
+    results = {}
+    for name, fn in candidates().items():
+        timing = _time_passes(lambda c: fn(c), [(c,) for c in layers])
+        timing["gflops"] = round(flops / timing["median_ms"] / 1e6, 1)
+        results[name] = timing
+        print(f"{name:<28} {timing['median_ms']:8.1f} ms  (min {timing['min_ms']:.1f})  "
+              f"{timing['gflops']:7.1f} GFLOP/s", flush=True)
+    record = {"rows": args.rows, "layers": LAYERS, "group_size": GROUP, "threads": torch.get_num_threads(),
+              "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "results": results}
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(record, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
