@@ -22,8 +22,8 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 SCALE_EPS = 1e-12
 
 
-def _acc(t: Tensor) -> torch.dtype:
-    """fp32, or float64 for a float64 reference run."""
+def acc_dtype(t: Tensor) -> torch.dtype:
+    """The accumulation dtype of every reference and CPU path: fp32, or float64 for a float64 reference run."""
     return torch.promote_types(t.dtype, torch.float32)
 
 
@@ -47,7 +47,7 @@ def quantize_int8(w: Tensor, scale_dtype: torch.dtype | None = None,
     scale = torch.empty(w.shape[0], dtype=out_dtype, device=w.device)
     rows = max(1, block_elements // max(1, w.shape[1]))
     for start in range(0, w.shape[0], rows):
-        wf = w[start:start + rows].to(_acc(w))
+        wf = w[start:start + rows].to(acc_dtype(w))
         s = _stored(wf.abs().amax(dim=1) / INT8_MAX, out_dtype)
         q[start:start + rows] = torch.round(wf / s[:, None]).clamp_(-INT8_MAX, INT8_MAX)
         scale[start:start + rows] = s
@@ -72,7 +72,7 @@ def quantize_int4(w: Tensor, group_size: int, symmetric: bool = False,
     if k % group_size:
         raise ValueError(f"group_size {group_size} does not divide in_features {k}")
     dtype = scale_dtype or w.dtype
-    g = w.to(_acc(w)).reshape(n, k // group_size, group_size)
+    g = w.to(acc_dtype(w)).reshape(n, k // group_size, group_size)
     scale, zero = int4_scale_zero(g.amin(-1), g.amax(-1), symmetric, dtype)
     q = int4_codes(g, scale[..., None], zero[..., None])
     return q.reshape(n, k), scale.to(dtype), zero.to(dtype)
@@ -119,7 +119,7 @@ def dequantize_int4(packed: Tensor, scale: Tensor, zero: Tensor, group_size: int
 
 def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
     """(q float8_e4m3fn (N, K), scale (N,) fp32 = row absmax / 448)."""
-    wf = w.to(_acc(w))
+    wf = w.to(acc_dtype(w))
     scale = _stored(wf.abs().amax(dim=1) / FP8_MAX, torch.float32)
     q = (wf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale.float()
@@ -135,7 +135,7 @@ def dequantize_fp8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32)
 def quantize_act_int8(x2d: Tensor, x_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """int8 activations: per token (row absmax / 127) when `x_scale` is None, else that static
     per-tensor scale. Returns (q int8 (M, K), scale (M, 1) or (1, 1) fp32)."""
-    xf = x2d.to(_acc(x2d))
+    xf = x2d.to(acc_dtype(x2d))
     if x_scale is None:
         scale = (xf.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp_min(SCALE_EPS)
     else:
@@ -146,7 +146,7 @@ def quantize_act_int8(x2d: Tensor, x_scale: Tensor | None = None) -> tuple[Tenso
 
 def quantize_act_fp8(x2d: Tensor) -> tuple[Tensor, Tensor]:
     """Per-token e4m3 activations: (q (M, K), scale (M, 1) fp32 = row absmax / 448)."""
-    xf = x2d.to(_acc(x2d))
+    xf = x2d.to(acc_dtype(x2d))
     scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(SCALE_EPS)
     return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..numerics import acc_dtype
+
 
 def visible(q_len: int, kv_len: int, window: int, device, q_start: int | None = None) -> Tensor:
     """(Lq, kv_len) bool: causal (bottom-right aligned) and, when window > 0, within the window."""
@@ -36,7 +38,7 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0
     q (B, Hq, Lq, D); k, v (B, Hkv, S, D) with Hq % Hkv == 0; `filled` (default S) keys are valid;
     mask (B or 1, 1, Lq, >= filled) bool."""
     kv_len = k.shape[2] if filled is None else int(filled)
-    acc = torch.promote_types(q.dtype, torch.float32)
+    acc = acc_dtype(q)
     group = q.shape[1] // k.shape[1]
     kf = k[:, :, :kv_len].to(acc).repeat_interleave(group, dim=1)
     vf = v[:, :, :kv_len].to(acc).repeat_interleave(group, dim=1)

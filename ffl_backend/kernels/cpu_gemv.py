@@ -15,6 +15,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ..numerics import acc_dtype
+
 WEIGHT_DTYPES = (torch.int8, torch.bfloat16)
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -22,7 +24,7 @@ ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def gemv_ref(x: Tensor, weights: Sequence[Tensor], scales: Sequence[Tensor] = (),
              biases: Sequence[Tensor] = ()) -> Tensor:
     """Pure-torch reference of the op: fp32 products and sums, one rounding to x's dtype."""
-    acc = torch.promote_types(x.dtype, torch.float32)  # float64 inputs: an exact reference
+    acc = acc_dtype(x)  # float64 inputs: an exact reference
     outs = []
     for i, w in enumerate(weights):
         y = x.to(acc) @ w.to(acc).T

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..numerics import acc_dtype
 from ._triton import AOT_DTYPES, AOT_ROW_SIZES, HAS_TRITON, AotSpec, launch, on_triton_device, ptr, rows_2d, tl, triton
 
 # The constexpr ACT selector values. `approximate` strings are F.gelu's.
@@ -36,7 +37,7 @@ MIN_BLOCK, MAX_BLOCK = 128, 1024
 def _opmath(t: Tensor) -> Tensor:
     """Upcast bf16/fp16 to fp32 as torch's activation kernels do internally; keep fp32/fp64 as is
     (so a float64 run of the reference stays float64 in the tests)."""
-    return t.to(torch.promote_types(t.dtype, torch.float32))
+    return t.to(acc_dtype(t))
 
 
 def silu_mul_ref(gate: Tensor, up: Tensor) -> Tensor:

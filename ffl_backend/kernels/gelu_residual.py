@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..numerics import acc_dtype
 from ._triton import AOT_DTYPES, HAS_TRITON, AotSpec, launch, on_triton_device, ptr, tl, triton
 
 APPROXIMATIONS = ("none", "tanh")  # F.gelu's names: "none" = exact erf form, "tanh" = GPT-2's
@@ -38,11 +39,6 @@ def _check_approximate(approximate: str) -> None:
         raise ValueError(f"gelu approximate must be one of {APPROXIMATIONS}, got {approximate!r}")
 
 
-def _acc_dtype(t: Tensor) -> torch.dtype:
-    # fp32 for bf16/fp16/fp32 (torch's opmath type); float64 stays float64 so the tests' float64
-    # run of the reference is a genuinely high-precision reference.
-    return torch.promote_types(t.dtype, torch.float32)
-
 
 def gelu_ref(h: Tensor, approximate: str) -> Tensor:
     """GELU of `h` computed in fp32 (or float64), rounded once to h's dtype.
@@ -51,7 +47,7 @@ def gelu_ref(h: Tensor, approximate: str) -> Tensor:
     `NewGELUActivation.forward` (= `GELUTanh._gelu_tanh_python`), so in fp32 they agree bit for bit.
     """
     _check_approximate(approximate)
-    hf = h.to(_acc_dtype(h))
+    hf = h.to(acc_dtype(h))
     if approximate == "tanh":
         g = 0.5 * hf * (1.0 + torch.tanh(_SQRT_2_OVER_PI * (hf + 0.044715 * torch.pow(hf, 3.0))))
     else:

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..numerics import acc_dtype
+
 # int4_gemv's layout (cpu_gemv.cpp): rows in blocks of 16 (the lanes of one vector), K in chunks of 8
 INT4_ROWS, INT4_CHUNK = 16, 8
 
@@ -47,7 +49,7 @@ def int4_gemv_ref(x: Tensor, packed: Tensor, scale_zeros: Tensor, bias: Optional
     codes = int4_layout_codes(packed).float()
     sz = scale_zeros.float().permute(0, 3, 1, 2).reshape(codes.shape[0], -1, 2)  # (N, K/G, 2)
     s, zp = (sz[..., i].repeat_interleave(group_size, dim=1) for i in (0, 1))
-    acc = torch.promote_types(x.dtype, torch.float32)
+    acc = acc_dtype(x)
     y = x.to(acc) @ ((codes - 8) * s + zp).to(acc).T
     if bias is not None:
         y = y + bias.to(acc)

@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..numerics import acc_dtype
 from ._triton import (
     HAS_TRITON,
     AotSpec,
@@ -32,12 +33,6 @@ from ._triton import (
 )
 
 
-def _acc_dtype(x: Tensor) -> torch.dtype:
-    # fp32 for bf16/fp16/fp32 (torch's opmath type); float64 stays float64, so the tests' float64
-    # run of this reference really is a high-precision reference and not an fp32 one in disguise.
-    return torch.promote_types(x.dtype, torch.float32)
-
-
 def layer_norm_ref(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
                    eps: float) -> Tensor:
     """`F.layer_norm(x, (N,), weight, bias, eps)` written out in torch's cast order.
@@ -46,7 +41,7 @@ def layer_norm_ref(x: Tensor, weight: Optional[Tensor], bias: Optional[Tensor],
     E[x^2] - E[x]^2: hidden states of GPT-style models carry large per-row offsets (massive
     activations), where the one-pass formula cancels catastrophically in fp32.
     """
-    xf = x.to(_acc_dtype(x))
+    xf = x.to(acc_dtype(x))
     mean = xf.mean(-1, keepdim=True)
     centered = xf - mean
     var = centered.pow(2).mean(-1, keepdim=True)  # biased (divide by N), as layer_norm defines it

@@ -47,9 +47,6 @@ INT4_CPU_N_MULTIPLE = 16
 INT8_CPU_K_MULTIPLE = 16
 
 
-def _acc(x: Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
-
 
 def _finish(y2d: Tensor, x: Tensor, bias: Optional[Tensor]) -> Tensor:
     """Add the bias in the accumulation dtype, round once to x's dtype, restore x's leading dims."""
@@ -67,18 +64,18 @@ def smoothed_rows(x: Tensor, smooth: Optional[Tensor]) -> Tensor:
     x2d = x.reshape(-1, x.shape[-1])
     if smooth is None:
         return x2d
-    return x2d.to(_acc(x)) * smooth.to(_acc(x))
+    return x2d.to(P.acc_dtype(x)) * smooth.to(P.acc_dtype(x))
 
 
 def int8_linear_ref(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    acc = _acc(x)
+    acc = P.acc_dtype(x)
     w = P.dequantize_int8(qweight, scale, acc)
     return _finish(x.reshape(-1, x.shape[-1]).to(acc) @ w.T, x, bias)
 
 
 def int4_linear_ref(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int,
                     bias: Optional[Tensor] = None) -> Tensor:
-    acc = _acc(x)
+    acc = P.acc_dtype(x)
     w = P.dequantize_int4(qweight, scale, zero, group_size, acc)
     return _finish(x.reshape(-1, x.shape[-1]).to(acc) @ w.T, x, bias)
 
@@ -89,11 +86,11 @@ def w8a8_linear_ref(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Option
     into the previous norm); `x_scale` None = dynamic per-token scales."""
     qx, xs = P.quantize_act_int8(smoothed_rows(x, smooth), x_scale)
     acc = qx.to(torch.float64) @ qweight.to(torch.float64).T  # exact, like the int32 accumulator
-    return _finish(acc.to(_acc(x)) * xs.to(_acc(x)) * w_scale.to(_acc(x)), x, bias)
+    return _finish(acc.to(P.acc_dtype(x)) * xs.to(P.acc_dtype(x)) * w_scale.to(P.acc_dtype(x)), x, bias)
 
 
 def fp8_linear_ref(x: Tensor, qweight: Tensor, w_scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:
-    acc = _acc(x)
+    acc = P.acc_dtype(x)
     qx, xs = P.quantize_act_fp8(x.reshape(-1, x.shape[-1]))
     y = (qx.to(acc) @ qweight.to(acc).T) * xs.to(acc) * w_scale.to(acc)
     return _finish(y, x, bias)

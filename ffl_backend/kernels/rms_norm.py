@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..numerics import acc_dtype
 from ._triton import (
     HAS_TRITON,
     AotSpec,
@@ -35,7 +36,7 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0,
 
     HF computes in fp32 (`x.float()`); here it is "at least fp32" so a float64 run of this
     reference is a true high-precision reference for the tests, and fp32/bf16 runs are HF's."""
-    acc = torch.promote_types(x.dtype, torch.float32)
+    acc = acc_dtype(x)
     xf = x.to(acc)
     normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     if weight_in_fp32:

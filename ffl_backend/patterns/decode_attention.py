@@ -21,6 +21,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..numerics import acc_dtype
 from . import fx_utils as U
 
 SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention)
@@ -28,7 +29,7 @@ SDPA_TARGETS = (F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_
 
 def attention_single_query(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float) -> Tensor:
     """SDPA for q (..., H, 1, D) over k, v (..., H, L, D), in fp32; q's dtype out."""
-    acc = torch.promote_types(q.dtype, torch.float32)
+    acc = acc_dtype(q)
     # as_strided makes Inductor store the query once instead of recomputing its producer (rotary)
     # for every key row (see decode_gemv._row_dot).
     qf = q.to(acc)

@@ -38,6 +38,7 @@ import torch.fx as fx
 from torch import Tensor
 
 from ..kernels import cpu_gemv, cpu_lib, weight_cache
+from ..numerics import acc_dtype
 from . import fx_utils as U
 from .decode_gemv_calls import KernelGemv, emit_kernel_calls
 from .packed_linear import _weight_tensor
@@ -47,7 +48,7 @@ COMPACT_PREFIX = "_fastflow_bf16_weight"
 
 def _row_dot(x: Tensor, weight: Tensor) -> Tensor:
     """x (..., K) times every row of weight (N, K) -> (..., N), in fp32 (or wider)."""
-    acc = torch.promote_types(x.dtype, torch.float32)
+    acc = acc_dtype(x)
     # as_strided makes Inductor store x (in fp32) once. Otherwise it inlines x's producer (RMSNorm,
     # rotary, attention output) into the reduction and recomputes it for every weight row.
     row = x.to(acc)
@@ -65,7 +66,7 @@ def linear_rowwise(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> 
 
 def int8_linear_rowwise(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """`fastflow.int8_linear` (per-output-channel int8 weights) for a single row of x."""
-    y = _row_dot(x, qweight) * scale.to(torch.promote_types(x.dtype, torch.float32))
+    y = _row_dot(x, qweight) * scale.to(acc_dtype(x))
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.to(x.dtype)
