@@ -30,6 +30,7 @@ import logging
 
 import torch
 
+from .generation import cache_kwarg
 from .kernels import cpu_lib
 
 logger = logging.getLogger("ffl_backend")
@@ -77,11 +78,13 @@ def _unsupported(model, gc, model_kwargs, extra) -> str | None:
     return None
 
 
-def decode_step(model, input_ids, attention_mask, position_ids, cache, keep: dict, cpu_argmax: bool):
+def decode_step(model, input_ids, attention_mask, position_ids, cache, keep: dict, cpu_argmax: bool,
+                cache_kw: str = "cache"):
     """One decode step: the newest position's logits and their argmax, both inside the compiled graph
-    (torch's argmax over a vocabulary is not vectorized on CPU; fastflow_cpu::argmax is, cpu_argmax.cpp)."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-                   use_cache=True, **keep).logits[:, -1]
+    (torch's argmax over a vocabulary is not vectorized on CPU; fastflow_cpu::argmax is, cpu_argmax.cpp).
+    `cache_kw`: the name the model's forward takes the cache by (generation.cache_kwarg)."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                   use_cache=True, **{cache_kw: cache}, **keep).logits[:, -1]
     return logits, (torch.ops.fastflow_cpu.argmax(logits) if cpu_argmax else logits.argmax(-1))
 
 
@@ -174,6 +177,7 @@ class DecodeLoop:
         self._steps: dict = {}  # compile config -> compiled decode_step
         self._may_skip_guards = sum(1 for _ in model.buffers()) <= _MAX_BUFFERS_TO_SKIP_GUARDS
         self._keep = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
+        self._cache_kw = cache_kwarg(model)
 
     def __call__(self, inputs=None, generation_config=None, logits_processor=None, stopping_criteria=None,
                  prefix_allowed_tokens_fn=None, streamer=None, **kwargs):
@@ -252,13 +256,13 @@ class DecodeLoop:
         cache = self._cache(batch, ids.device)
         if streamer is not None:
             streamer.put(ids.cpu())
-        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                       use_cache=True, **self._keep).logits[:, -1]
+        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
+                       use_cache=True, **{self._cache_kw: cache}, **self._keep).logits[:, -1]
         cpu_argmax = ids.device.type == "cpu" and cpu_lib.load()
         best = torch.ops.fastflow_cpu.argmax(logits) if cpu_argmax else logits.argmax(-1)
         inputs = dict(input_ids=ids.new_zeros((batch, 1)), attention_mask=self._decode_mask(ids, attention_mask),
                       position_ids=ids.new_empty((batch, 1)).copy_(positions[:, -1:]),  # fixed strides
-                      cache=cache, keep=self._keep, cpu_argmax=cpu_argmax)
+                      cache=cache, keep=self._keep, cpu_argmax=cpu_argmax, cache_kw=self._cache_kw)
         steps = _Steps(model, self._compiled_step(gc), inputs, self._may_skip_guards)
         unfinished = torch.ones(batch, dtype=torch.bool, device=ids.device)
         eos, pad = gc._eos_token_tensor, gc._pad_token_tensor

@@ -88,3 +88,13 @@ def configure_generate(model, backend="fastflow", options=None, max_cache_len=No
     enable_fast_guards(model)
     logger.info("generate() will decode over a static cache compiled with backend=%r", backend)
     return model
+
+
+def cache_kwarg(model) -> str:
+    """The keyword under which `model`'s forward takes its KV cache: `cache` in transformers 5.24,
+    `past_key_values` in earlier 5.x (5.17, the GPU machine's), where a `cache=` would be swallowed
+    by **kwargs and the model would decode over a fresh dynamic cache. 5.24 still accepts the old name
+    but through a deprecation wrapper and a warning on every call, so each model gets its own."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -132,23 +132,28 @@ def dequantize_fp8(q: Tensor, scale: Tensor, dtype: torch.dtype = torch.float32)
 
 # --- activations --------------------------------------------------------------------------------
 
+# Activations are quantized in fp32 whatever their dtype, float64 included: the codes are data, not an
+# approximation a wider type would refine, so every device path and the reference pick the same codes.
+# Ties round half to even (torch.round, the fp8 cast); an all-zero row gets scale 0 and zero codes.
+
 def quantize_act_int8(x2d: Tensor, x_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """int8 activations: per token (row absmax / 127) when `x_scale` is None, else that static
     per-tensor scale. Returns (q int8 (M, K), scale (M, 1) or (1, 1) fp32)."""
-    xf = x2d.to(acc_dtype(x2d))
+    xf = x2d.float()
     if x_scale is None:
-        scale = (xf.abs().amax(dim=1, keepdim=True) / INT8_MAX).clamp_min(SCALE_EPS)
+        scale = xf.abs().amax(dim=1, keepdim=True) / INT8_MAX
     else:
-        scale = x_scale.to(xf.dtype).reshape(1, 1)
-    q = torch.round(xf / scale).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        scale = x_scale.float().reshape(1, 1)
+    q = torch.round(xf / torch.where(scale > 0, scale, 1.0)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scale
 
 
 def quantize_act_fp8(x2d: Tensor) -> tuple[Tensor, Tensor]:
     """Per-token e4m3 activations: (q (M, K), scale (M, 1) fp32 = row absmax / 448)."""
-    xf = x2d.to(acc_dtype(x2d))
-    scale = (xf.abs().amax(dim=1, keepdim=True) / FP8_MAX).clamp_min(SCALE_EPS)
-    return (xf / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+    xf = x2d.float()
+    scale = xf.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    q = (xf / torch.where(scale > 0, scale, 1.0)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale
 
 
 def sqnr(ref: Tensor, approx: Tensor) -> float:

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from ..generation import cache_kwarg
 from .paged_cache import DUMMY_BLOCK
 
 
@@ -38,6 +39,7 @@ class ModelRunner:
     def __init__(self, model, cache, max_batch_size: int, max_blocks: int, compile_backend: str | None = "fastflow",
                  compile_options: dict | None = None):
         self.model, self.cache = model, cache
+        self.cache_kw = cache_kwarg(model)  # `cache` (transformers 5.24) or `past_key_values` (earlier 5.x)
         self.device = next(model.parameters()).device
         self.block_size = cache.block_size
         self.max_blocks = max_blocks
@@ -51,8 +53,8 @@ class ModelRunner:
         self.graphs_after_warmup: int | None = None
 
     def _forward(self, input_ids, position_ids, slot_mapping, block_tables, seq_lens):
-        out = self.model(input_ids=input_ids, position_ids=position_ids, cache=self.cache, use_cache=True,
-                         slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, **{self.cache_kw: self.cache},
+                         use_cache=True, slot_mapping=slot_mapping, block_tables=block_tables, seq_lens=seq_lens)
         return out.logits[:, -1].float()
 
     def _slots(self, positions, blocks) -> list[int]:
@@ -69,8 +71,8 @@ class ModelRunner:
         pos = torch.arange(n, device=dev)[None]
         slots = torch.tensor(self._slots(range(n), blocks), dtype=torch.long, device=dev)
         self.cache.step_slots, self.cache.step_paged = slots, False
-        out = self.model(input_ids=ids, position_ids=pos, cache=self.cache, use_cache=True, slot_mapping=slots,
-                         logits_to_keep=1)
+        out = self.model(input_ids=ids, position_ids=pos, **{self.cache_kw: self.cache}, use_cache=True,
+                         slot_mapping=slots, logits_to_keep=1)
         logits = out.logits[0, -1].float().cpu()
         self.timings["prefill_s"] += time.perf_counter() - t0
         return logits

@@ -1,30 +1,22 @@
 """Quantized linears: `torch.ops.fastflow.int8_linear`, `int4_linear`, `w8a8_linear`, `fp8_linear`.
 
-Each op has a pure-torch reference (`*_ref`, built on ffl_backend.numerics), a CPU path and,
-for CUDA tensors, a Triton launcher from `triton_quant` (imported lazily inside the CUDA branch, so
-this module works on machines and checkouts without it). Layouts: see numerics.py.
+Each op has a pure-torch reference (`*_ref`, built on ffl_backend.numerics: the one every path is
+tested against), a CPU path and, for CUDA tensors, a Triton launcher from triton_quant.py. Layouts:
+see numerics.py.
 
-CPU paths, measured at batch 1 on SmolLM2's shapes (1536x576 and 576x1536, 1 thread of a shared
-2-core AVX-512/AMX machine, µs per call; fp32 F.linear 248/171, bf16 F.linear 242/159):
-- int8: `torch._weight_int8pack_mm` with bf16 activations + bf16 scales 67/46; the same op with fp32
-  activations 810/539 (slower than fp32 F.linear), dequantize-then-fp32-linear 976/671. So fp32
-  activations are cast to bf16, multiplied, and the bf16 result cast back (51/49 with the casts).
-  Numerics: x and the scales are rounded to bf16 (relative 2^-9) and the output once more; that is
-  far below the int8 weight error (output SQNR ~40 dB vs ~50 dB for bf16 rounding).
-  Eager single-row calls (batch-1 decode without torch.compile) take fastflow's C++ GEMV instead
-  (kernels/cpu_gemv.py; fp32 math, no bf16 rounding of x; SmolLM2 int8 eager decode 33.8 -> 42.3
-  tok/s, same greedy tokens).
-- int4: fastflow's `int4_gemv` (kernels/cpu_gemv.cpp) wherever it is built (x86-64 Linux with a
-  compiler) and N is a multiple of 16: AVX512-VNNI (AVX2: vpmaddubsw) multiplies the codes as they
-  load, x read as int16 per group (error <= 2^-16 of the group's largest |x|, finer than a bf16
-  rounding), fp32/bf16/fp16 x as it comes. 30 SmolLM2 layers streamed at batch 1 (2 threads): 2.1 ms
-  against 3.8 for torch's kernel (Xeon, AVX-512); 6.6 against 10.0 (AMD EPYC, AVX2); several rows
-  (prefill) cost one pass over the codes. The layout (16 rows to a vector) is made once by
-  `int4_cpu_form`. Elsewhere `torch._weight_int4pack_mm_for_cpu` (bf16) 71/48 at g32, 45/46
-  at g64; fp32 activations 1448/1516, so the same bf16 cast. It needs torch's own packed weight and a
-  (K/G, N, 2) scale/zero tensor (w = (q - 8) * s + z', the grid both kernels use); N must be a
-  multiple of 16 and G in {32, 64, 128, 256}, else the reference path runs.
-- w8a8: `torch._int_mm` (int8 x int8 -> int32, exact) 88 µs at M=1 vs 726 for an int32 matmul.
+CPU paths (the choices' measurements: docs/quantization.md and benchmarks/results/cpu_gemv_layers.json):
+- int8: `torch._weight_int8pack_mm` with bf16 activations and bf16 scales (with fp32 activations the
+  same kernel is slower than an fp32 F.linear, so fp32 x is cast to bf16 and the result back: x and
+  the scales rounded to bf16, far below the int8 weight error). Eager single-row calls (batch-1
+  decode without torch.compile) take fastflow's C++ GEMV instead (kernels/cpu_gemv.py; fp32 math).
+- int4: fastflow's `int4_gemv` (kernels/int4_layout.py, cpu_gemv.cpp) wherever the C++ library is
+  built and N is a multiple of 16: the codes multiplied as they load, x read as int16 per group
+  (error <= 2^-16 of the group's largest |x|, finer than a bf16 rounding), several rows per pass
+  over the codes. The layout is made once by `int4_cpu_form`. Elsewhere torch's
+  `_weight_int4pack_mm_for_cpu` (bf16 x, the same cast), which needs torch's own packed weight and a
+  (K/G, N, 2) scale/zero table (w = (q - 8) * s + z', the grid both kernels use); N a multiple of
+  16 and G in {32, 64, 128, 256}, else the reference path runs.
+- w8a8: `torch._int_mm` (int8 x int8 -> int32, exact).
 - fp8: emulation -- activations and weights go through the e4m3 grid, the product runs in fp32.
 """
 from __future__ import annotations
@@ -36,8 +28,9 @@ import torch
 from torch import Tensor
 
 from .. import numerics as P
-from . import cpu_gemv, cpu_lib, int4_layout
+from . import cpu_gemv, cpu_lib, int4_layout, triton_quant
 from ._triton import on_triton_device, rows_2d
+from .triton_quant import aot_specs  # noqa: F401  (the ops' Triton launch configs, read by kernels.aot)
 
 # torch's CPU int4 kernel accepts only these group sizes, and N in multiples of 16.
 INT4_CPU_GROUPS = (32, 64, 128, 256)
@@ -215,10 +208,8 @@ def w8a8_triton(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Optional[T
     """The CUDA path of `w8a8_linear` (also runs on CPU tensors under TRITON_INTERPRET, for tests).
     With `smooth` the kernels get the fp32 product `smoothed_rows` makes and return fp32, rounded
     once to x's dtype here: the reference's single rounding after the bias add."""
-    from .triton_quant import w8a8_linear_triton
-
     x2d = rows_2d(x) if smooth is None else smoothed_rows(x, smooth)
-    y = w8a8_linear_triton(x2d, qweight, w_scale, x_scale, bias).to(x.dtype)
+    y = triton_quant.w8a8_linear_triton(x2d, qweight, w_scale, x_scale, bias).to(x.dtype)
     return y.reshape(*x.shape[:-1], qweight.shape[0])
 
 
@@ -227,9 +218,7 @@ def int8_linear(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor
                 cpu_scale: Optional[Tensor] = None) -> Tensor:
     """`cpu_scale`: `scale` in bf16 for the CPU kernel, when `scale` is not bf16 already."""
     if on_triton_device(x):
-        from .triton_quant import int8_linear_triton
-
-        y = int8_linear_triton(rows_2d(x), qweight, scale, bias)
+        y = triton_quant.int8_linear_triton(rows_2d(x), qweight, scale, bias)
         return y.reshape(*x.shape[:-1], qweight.shape[0])
     return _int8_cpu(x, qweight, scale, bias, cpu_scale)
 
@@ -240,9 +229,7 @@ def int4_linear(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, group_s
                 cpu_scale_zeros: Optional[Tensor] = None) -> Tensor:
     """`cpu_packed`/`cpu_scale_zeros`: a CPU form from `int4_cpu_form` (None -> reference)."""
     if on_triton_device(x):
-        from .triton_quant import int4_linear_triton
-
-        y = int4_linear_triton(rows_2d(x), qweight, scale, zero, group_size, bias)
+        y = triton_quant.int4_linear_triton(rows_2d(x), qweight, scale, zero, group_size, bias)
         return y.reshape(*x.shape[:-1], qweight.shape[0])
     if cpu_packed is not None and cpu_scale_zeros is not None:
         return int4_cpu_linear(x, cpu_packed, cpu_scale_zeros, group_size, bias)
@@ -260,9 +247,7 @@ def w8a8_linear(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Optional[T
 @torch.library.triton_op("fastflow::fp8_linear", mutates_args=())
 def fp8_linear(x: Tensor, qweight: Tensor, w_scale: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     if on_triton_device(x):
-        from .triton_quant import fp8_linear_triton
-
-        y = fp8_linear_triton(rows_2d(x), qweight, w_scale, bias)
+        y = triton_quant.fp8_linear_triton(rows_2d(x), qweight, w_scale, bias)
         return y.reshape(*x.shape[:-1], qweight.shape[0])
     return fp8_linear_ref(x, qweight, w_scale, bias)  # the emulation is the reference
 

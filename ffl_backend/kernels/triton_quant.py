@@ -1,7 +1,7 @@
 """Triton kernels for quantized linears (CUDA): W8A16, W4A16, W8A8 (int8 x int8 -> int32) and FP8.
 
-Only the kernels, their launchers and pure-torch references live here; the quantization package
-and the `torch.ops.fastflow.*` registration (quant_linear.py) call the launchers on CUDA tensors.
+Only the kernels and their launchers live here; the ops (quant_linear.py) call the launchers on CUDA
+tensors and hold the references every path is tested against (with numerics.py's quantize functions).
 Layouts (x2d is (M, K) fp16/bf16/fp32, the output (M, N) in x's dtype):
 - int8:  qweight int8 (N, K), scale (N,) in x's dtype; y = x @ (q * scale).T + bias.
 - int4:  qweight uint8 (N, K // 2), byte j of row n holds k = 2j (low nibble) and k = 2j+1 (high
@@ -46,7 +46,6 @@ GEMV_CONFIG = (16, 32, 128, 4)
 GEMM_CONFIG = (64, 128, 64, 4)
 GEMV_MAX_M = 16
 INT4_GROUP_SIZES = (32, 64, 128)
-INT8_MAX, FP8_MAX = 127.0, 448.0
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -54,70 +53,6 @@ def gemm_config(m: int, group_size: int | None = None) -> tuple[int, int, int, i
     """The tile for M rows; int4 caps BLOCK_K at the group size so one K step is in one group."""
     bm, bn, bk, warps = GEMV_CONFIG if m <= GEMV_MAX_M else GEMM_CONFIG
     return bm, bn, (bk if group_size is None else min(bk, group_size)), warps
-
-
-# ---------------------------------------------------------------- references (pure torch) ----
-
-def _acc(x: Tensor) -> torch.dtype:
-    """fp32, or float64 for a float64 run (the tests' high-precision reference)."""
-    return torch.promote_types(x.dtype, torch.float32)
-
-
-def _finish(y: Tensor, x: Tensor, bias: Tensor | None) -> Tensor:
-    if bias is not None:
-        y = y + bias.to(y.dtype)
-    return y.to(x.dtype)
-
-
-def quantize_per_token_ref(x2d: Tensor, fp8: bool = False) -> tuple[Tensor, Tensor]:
-    """Rowwise symmetric quantization in fp32: scale = absmax / qmax (127, or 448 for e4m3), then
-    round half to even. An all-zero row gets scale 0 and zeros (divided by 1, not by 0). Always in
-    fp32, also for a float64 input: the quantized values are data, not an approximation to refine."""
-    qmax = FP8_MAX if fp8 else INT8_MAX
-    xf = x2d.float()
-    scale = xf.abs().amax(dim=-1) / qmax
-    y = (xf / torch.where(scale > 0, scale, 1.0)[:, None]).clamp(-qmax, qmax)
-    return (y.to(torch.float8_e4m3fn) if fp8 else torch.round(y).to(torch.int8)), scale
-
-
-def unpack_int4_ref(qweight: Tensor) -> Tensor:
-    """(N, K // 2) uint8 -> (N, K) uint8 in 0..15: low nibble is the even k, high nibble the odd k."""
-    return torch.stack((qweight & 0xF, qweight >> 4), dim=-1).reshape(qweight.shape[0], -1)
-
-
-def int8_linear_ref(x2d: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    acc = _acc(x2d)
-    w = qweight.to(acc) * scale.to(acc)[:, None]
-    return _finish(x2d.to(acc) @ w.T, x2d, bias)
-
-
-def int4_linear_ref(x2d: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int,
-                    bias: Tensor | None = None) -> Tensor:
-    acc = _acc(x2d)
-    q = unpack_int4_ref(qweight).to(acc)
-    w = (q - zero.to(acc).repeat_interleave(group_size, 1)) * scale.to(acc).repeat_interleave(group_size, 1)
-    return _finish(x2d.to(acc) @ w.T, x2d, bias)
-
-
-def _scaled_mm_ref(x2d, xq, x_scale, qweight, w_scale, bias):
-    acc = _acc(x2d)
-    y = (xq.to(acc) @ qweight.to(acc).T) * x_scale.to(acc).reshape(-1, 1) * w_scale.to(acc)
-    return _finish(y, x2d, bias)
-
-
-def w8a8_linear_ref(x2d: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Tensor | None = None,
-                    bias: Tensor | None = None) -> Tensor:
-    if x_scale is None:
-        xq, xs = quantize_per_token_ref(x2d)
-    else:  # static: one calibrated per-tensor scale
-        xs = x_scale.float().reshape(())
-        xq = torch.round((x2d.float() / xs).clamp(-INT8_MAX, INT8_MAX)).to(torch.int8)
-    return _scaled_mm_ref(x2d, xq, xs, qweight, w_scale, bias)
-
-
-def fp8_linear_ref(x2d: Tensor, qweight: Tensor, w_scale: Tensor, bias: Tensor | None = None) -> Tensor:
-    xq, xs = quantize_per_token_ref(x2d, fp8=True)
-    return _scaled_mm_ref(x2d, xq, xs, qweight, w_scale, bias)
 
 
 # ------------------------------------------------------------------------- Triton kernels ----
@@ -337,12 +272,12 @@ def _quantize_rows(x2d: Tensor, fp8: bool) -> tuple[Tensor, Tensor]:
 
 
 def quantize_per_token_triton(x2d: Tensor) -> tuple[Tensor, Tensor]:
-    """Dynamic per-token int8: (x_q int8 (M, K), x_scale fp32 (M,)), equal to quantize_per_token_ref."""
+    """Dynamic per-token int8: (x_q int8 (M, K), x_scale fp32 (M,)), equal to numerics.quantize_act_int8."""
     return _quantize_rows(x2d, fp8=False)
 
 
 def quantize_per_token_fp8_triton(x2d: Tensor) -> tuple[Tensor, Tensor]:
-    """Dynamic per-token e4m3: (x_q float8_e4m3fn (M, K), x_scale fp32 (M,)), absmax / 448."""
+    """Dynamic per-token e4m3: (x_q float8_e4m3fn (M, K), x_scale fp32 (M,)), equal to numerics.quantize_act_fp8."""
     return _quantize_rows(x2d, fp8=True)
 
 

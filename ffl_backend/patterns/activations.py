@@ -19,7 +19,7 @@ OPS = torch.ops.fastflow
 
 def _same_layout(*nodes) -> bool:
     vals = [U.value(n) for n in nodes]
-    return all(v is not None for v in vals) and len({(tuple(v.shape), v.dtype) for v in vals}) == 1
+    return all(v is not None for v in vals) and len({v.dtype for v in vals}) == 1 and U.same_shape(*vals)
 
 
 def gated_act_pass(gm: fx.GraphModule, ctx) -> int:

@@ -60,6 +60,17 @@ def value(node):
     return node.meta.get("example_value") if isinstance(node, fx.Node) else None
 
 
+def same_shape(*tensors) -> bool:
+    """Whether the (fake) tensors all have one shape. Under dynamic shapes sizes are SymInts, which
+    cannot be hashed (a set of shapes raises); one counts as equal only where it provably is (the
+    same symbol), so the check adds no guard."""
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    first = tuple(tensors[0].shape)
+    return all(len(t.shape) == len(first) and all(statically_known_true(a == b) for a, b in zip(t.shape, first))
+               for t in tensors[1:])
+
+
 def dtype_of(node):
     v = value(node)
     return v.dtype if isinstance(v, torch.Tensor) else None

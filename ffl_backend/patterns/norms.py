@@ -140,9 +140,9 @@ def add_rms_norm_pass(gm: fx.GraphModule, ctx) -> int:
         if not U.is_op(add, "add") or len(add.args) != 2 or not all(isinstance(a, fx.Node) for a in add.args):
             continue
         residual, x = add.args
-        shapes = {tuple(U.value(n).shape) for n in (add, residual, x) if U.value(n) is not None}
+        values = [U.value(n) for n in (add, residual, x) if U.value(n) is not None]
         dtypes = {U.dtype_of(n) for n in (add, residual, x)}
-        if len(shapes) != 1 or len(dtypes) != 1 or add.kwargs:
+        if not values or not U.same_shape(*values) or len(dtypes) != 1 or add.kwargs:
             ctx.decline("add_rms_norm", add, "residual add broadcasts or mixes dtypes")
             continue
         _, (out, hidden) = U.call_op(graph, OPS.add_rms_norm.default, (x, residual, *norm.args[1:]), add, 2)

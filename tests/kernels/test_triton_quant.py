@@ -8,6 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ffl_backend import numerics as P
+from ffl_backend.kernels import quant_linear as K
 from ffl_backend.kernels import triton_quant as Q
 from tests.helpers import assert_matches_reference
 
@@ -41,7 +43,7 @@ def _bias(with_bias, n, dtype):
 def test_int8_linear_matches_reference(dtype, m, n, k, with_bias):
     q, scale = _int8_weight(n, k)
     args = (torch.randn(m, k, dtype=dtype), q, scale.to(dtype), _bias(with_bias, n, dtype))
-    assert_matches_reference(Q.int8_linear_triton(*args), Q.int8_linear_ref, args)
+    assert_matches_reference(Q.int8_linear_triton(*args), K.int8_linear_ref, args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -51,7 +53,7 @@ def test_int8_linear_matches_reference(dtype, m, n, k, with_bias):
 def test_int4_linear_matches_reference(dtype, m, n, k, group_size, with_bias):
     q, scale, zero = _int4_weight(n, k, group_size, dtype)
     args = (torch.randn(m, k, dtype=dtype), q, scale, zero, group_size, _bias(with_bias, n, dtype))
-    assert_matches_reference(Q.int4_linear_triton(*args), Q.int4_linear_ref, args)
+    assert_matches_reference(Q.int4_linear_triton(*args), K.int4_linear_ref, args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -63,7 +65,7 @@ def test_w8a8_linear_matches_reference(dtype, m, n, k, static, with_bias):
     # a static scale from "calibration" that clips the largest activations, so the clamp is exercised
     x_scale = (x.float().abs().amax() / 127 * 0.8).reshape(()) if static else None
     args = (x, q, w_scale, x_scale, _bias(with_bias, n, dtype))
-    assert_matches_reference(Q.w8a8_linear_triton(*args), Q.w8a8_linear_ref, args)
+    assert_matches_reference(Q.w8a8_linear_triton(*args), K.w8a8_linear_ref, args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -76,7 +78,7 @@ def test_fp8_linear_matches_reference(dtype, m, n, k, with_bias):
     w_scale = w.abs().amax(dim=1) / 448
     q = (w / w_scale[:, None]).to(torch.float8_e4m3fn)
     args = (torch.randn(m, k, dtype=dtype), q, w_scale, _bias(with_bias, n, dtype))
-    assert_matches_reference(Q.fp8_linear_triton(*args), Q.fp8_linear_ref, args)
+    assert_matches_reference(Q.fp8_linear_triton(*args), K.fp8_linear_ref, args)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -87,9 +89,9 @@ def test_quantize_per_token_is_bit_exact(dtype, fp8, m, k):
     x[1] = 0  # an all-zero token: scale 0, zeros, no division by zero
     fn = Q.quantize_per_token_fp8_triton if fp8 else Q.quantize_per_token_triton
     xq, xs = fn(x)
-    rq, rs = Q.quantize_per_token_ref(x, fp8=fp8)
+    rq, rs = P.quantize_act_fp8(x) if fp8 else P.quantize_act_int8(x)
     assert xq.dtype == rq.dtype and xs.dtype == torch.float32 and xs.shape == (m,)
-    assert torch.equal(xs, rs) and xs[1] == 0
+    assert torch.equal(xs, rs[:, 0]) and xs[1] == 0
     assert torch.equal(xq.view(torch.uint8), rq.view(torch.uint8))
 
 
@@ -118,11 +120,11 @@ def test_fp8_quantize_rounds_like_torch_cast():
 def test_int4_nibble_order_and_reference_dequant():
     # byte j of row n: k = 2j in the low nibble, k = 2j + 1 in the high nibble
     qw = torch.tensor([[0x21, 0xF0]], dtype=torch.uint8)
-    assert Q.unpack_int4_ref(qw).tolist() == [[1, 2, 0, 15]]
+    assert P.unpack_int4(qw).tolist() == [[1, 2, 0, 15]]
     x = torch.eye(4)
     scale, zero = torch.tensor([[0.5, 2.0]]), torch.tensor([[1.0, 8.0]])
     expect = torch.tensor([[0.0, 0.5, -16.0, 14.0]]).T  # (q - zero) * scale, one row per unit x
-    torch.testing.assert_close(Q.int4_linear_ref(x, qw, scale, zero, 2), expect)
+    torch.testing.assert_close(K.int4_linear_ref(x, qw, scale, zero, 2), expect)
     # the kernel, K = 64 in two groups of 32: unit rows pick k = 0, 1, 2 (group 0) and k = 35 (group 1)
     y = Q.int4_linear_triton(torch.eye(64)[[0, 1, 2, 35]], qw.repeat(1, 16), scale, zero, 32)
     assert y.flatten().tolist() == [0.0, 0.5, -0.5, 14.0]
@@ -131,13 +133,13 @@ def test_int4_nibble_order_and_reference_dequant():
 def test_references_are_plain_dequantize_then_linear():
     x, b = torch.randn(3, 64), torch.randn(24)
     q, s = _int8_weight(24, 64)
-    torch.testing.assert_close(Q.int8_linear_ref(x, q, s, b), F.linear(x, q.float() * s[:, None], b))
+    torch.testing.assert_close(K.int8_linear_ref(x, q, s, b), F.linear(x, q.float() * s[:, None], b))
     q4, s4, z4 = _int4_weight(24, 64, 32, torch.float32)
-    w4 = (Q.unpack_int4_ref(q4).float() - z4.repeat_interleave(32, 1)) * s4.repeat_interleave(32, 1)
-    torch.testing.assert_close(Q.int4_linear_ref(x, q4, s4, z4, 32), F.linear(x, w4))
-    xq, xs = Q.quantize_per_token_ref(x)
-    torch.testing.assert_close(Q.w8a8_linear_ref(x, q, s, None, b),
-                               F.linear(xq.float() * xs[:, None], q.float() * s[:, None], b))
+    w4 = (P.unpack_int4(q4).float() - z4.repeat_interleave(32, 1)) * s4.repeat_interleave(32, 1)
+    torch.testing.assert_close(K.int4_linear_ref(x, q4, s4, z4, 32), F.linear(x, w4))
+    xq, xs = P.quantize_act_int8(x)
+    torch.testing.assert_close(K.w8a8_linear_ref(x, q, s, None, b),
+                               F.linear(xq.float() * xs, q.float() * s[:, None], b))
 
 
 @pytest.mark.parametrize("scheme,min_sqnr_db", [("int8", 35), ("int4", 18), ("w8a8", 30), ("fp8", 25)])
@@ -167,7 +169,7 @@ def test_quantized_output_stays_close_to_the_float_linear(scheme, min_sqnr_db):
 def test_strided_rows_empty_batch_and_bad_arguments():
     x = torch.randn(5, 2 * 64)[:, :64]  # row stride 128: a view, no copy
     q, s = _int8_weight(48, 64)
-    torch.testing.assert_close(Q.int8_linear_triton(x, q, s), Q.int8_linear_ref(x, q, s))
+    torch.testing.assert_close(Q.int8_linear_triton(x, q, s), K.int8_linear_ref(x, q, s))
     assert Q.w8a8_linear_triton(x[:0], q, s).shape == (0, 48)
     q4, s4, z4 = _int4_weight(48, 64, 32, torch.float32)
     with pytest.raises(ValueError, match="group_size"):

@@ -10,6 +10,7 @@ import torch
 
 from ffl_backend import numerics as P
 from ffl_backend.kernels import quant_linear as K
+from tests.helpers import ATOL as DTYPE_ATOL
 
 DTYPES = (torch.float32, torch.bfloat16)
 SHAPES = [(1, 576, 1536), (5, 128, 96), (2, 3, 64, 48)]  # (..., K, N): GEMV, odd M, 3-D input
@@ -101,11 +102,25 @@ def test_w8a8_reference_is_close_to_float():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
-def test_fp8_cpu_emulation_matches_reference_and_float(dtype, shape):
+def test_fp8_cpu_emulation_matches_float64_dequantized_math(dtype, shape):
+    """The CPU fp8 path *is* fp8_linear_ref (an emulation), so it is held to float64 math written
+    here instead: per-token e4m3 activations (row absmax / 448, the scheme's definition) times the
+    dequantized e4m3 weights, + bias, against <= 2x the error of plain F.linear at `dtype` on the same
+    dequantized operands (+ ATOL); and the whole fp8 linear stays near the unquantized one (SQNR)."""
     x, w, b = _inputs(shape, dtype)
     q, s = P.quantize_fp8(w)
     out = torch.ops.fastflow.fp8_linear(x, q, s, b)
-    torch.testing.assert_close(out, K.fp8_linear_ref(x, q, s, b))
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    xs = x2.abs().amax(dim=1, keepdim=True) / 448.0
+    qx = (x2 / xs).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+    def dequantized_linear(t):  # the same math in dtype t
+        return torch.nn.functional.linear(qx.to(t) * xs.to(t), q.to(t) * s.to(t)[:, None], b.to(t))
+
+    exact = dequantized_linear(torch.float64).reshape(out.shape)
+    plain_err = (dequantized_linear(dtype).reshape(out.shape).double() - exact).abs().max().item()
+    err = (out.double() - exact).abs().max().item()
+    assert out.dtype == dtype and err <= 2 * plain_err + DTYPE_ATOL[dtype], (err, plain_err)
     assert P.sqnr(torch.nn.functional.linear(x.double(), w.double(), _f64(b)), out) > 26.0
 
 
@@ -137,37 +152,22 @@ def test_opcheck(dtype, case):
     torch.library.opcheck(op, args, test_utils=utils) if utils else torch.library.opcheck(op, args)
 
 
+# The reference of each op case and the arguments it takes (the ops' extra CPU-form arguments dropped).
+REFERENCES = {"int8": (K.int8_linear_ref, slice(0, 4)), "int4": (K.int4_linear_ref, slice(0, 6)),
+              "w8a8": (K.w8a8_linear_ref, slice(0, 6)), "fp8": (K.fp8_linear_ref, slice(0, 4))}
+
+
 @pytest.mark.parametrize("case", ["int8", "int4", "w8a8", "fp8"])
-def test_compiled_op_matches_eager(case):
+def test_compiled_op_matches_the_float64_reference(case):
+    """The op inside an Inductor graph (its lowering may differ from the eager kernel: Inductor's
+    C++ GEMM template for the packed int8 kernel rounds in another order) against the float64
+    reference, held to the eager op's own error, doubled, plus one bf16 ulp of the output."""
     op, args = _op_cases(torch.float32)[case]
+    ref_fn, ref_args = REFERENCES[case]
+    exact = ref_fn(*map(_f64, args[ref_args])).double()
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *a: op(*a), fullgraph=True)
-    # Inductor's C++ GEMM template for the packed kernels rounds in a different order: a bf16 ulp
-    torch.testing.assert_close(compiled(*args), op(*args), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.parametrize("case", ["int8", "int4", "w8a8", "w8a8_static", "fp8"])
-def test_triton_launchers_agree_with_references_on_the_layout_contract(case):
-    """The CUDA branch's launchers (run here by the Triton interpreter) and these references read
-    the same buffers the same way: a layout or scale-convention mismatch would show as noise."""
-    from ffl_backend.kernels import _triton
-    from ffl_backend.kernels import triton_quant as T
-
-    if not _triton.interpreting():
-        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest before triton is imported)")
-    x, w, b = _inputs((3, 64, 32), torch.float32)
-    if case == "int8":
-        q, s = P.quantize_int8(w)
-        out, ref = T.int8_linear_triton(x, q, s, b), K.int8_linear_ref(x, q, s, b)
-    elif case == "int4":
-        q, s, z = P.quantize_int4(w, 32)
-        qw = P.pack_int4(q)
-        out, ref = T.int4_linear_triton(x, qw, s, z, 32, b), K.int4_linear_ref(x, qw, s, z, 32, b)
-    elif case.startswith("w8a8"):
-        q, s = P.quantize_int8(w, torch.float32)
-        xs = x.abs().max().float().reshape(1) / 127 if case == "w8a8_static" else None
-        out, ref = T.w8a8_linear_triton(x, q, s, xs, b), K.w8a8_linear_ref(x, q, s, xs, b)
-    else:
-        q, s = P.quantize_fp8(w)
-        out, ref = T.fp8_linear_triton(x, q, s, b), K.fp8_linear_ref(x, q, s, b)
-    assert P.sqnr(ref, out) > 40.0
+    compiled = torch.compile(lambda *a: op(*a), fullgraph=True)(*args)
+    eager_err = (op(*args).double() - exact).abs().max().item()
+    err = (compiled.double() - exact).abs().max().item()
+    ulp = exact.abs().max().item() * 2**-8
+    assert compiled.shape == exact.shape and err <= 2 * eager_err + ulp, (err, eager_err, ulp)
