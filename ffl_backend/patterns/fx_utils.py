@@ -124,6 +124,17 @@ def erase_dead(graph: fx.Graph, nodes) -> None:
             graph.erase_node(node)
 
 
+def sibling_groups(graph: fx.Graph, classify) -> list:
+    """Groups of >= 2 nodes a horizontal fusion may merge, in graph order: `classify(node)` gives
+    (key, member) for a candidate, None otherwise; members with equal keys form a group."""
+    groups: dict = {}
+    for node in graph.nodes:
+        found = classify(node)
+        if found is not None:
+            groups.setdefault(found[0], []).append(found[1])
+    return [(key, members) for key, members in groups.items() if len(members) >= 2]
+
+
 def replace_by_slices(graph: fx.Graph, nodes: list, fused: fx.Node) -> None:
     """Replace each of `nodes` by its slice of `fused`, their outputs concatenated along the last dim
     in this order (a horizontal fusion's one call), then erase them."""

@@ -16,8 +16,6 @@ own tensors as fast as from a fused copy, which would only add the weights' size
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.fx as fx
 
@@ -57,18 +55,18 @@ def horizontal_pass(gm: fx.GraphModule, ctx) -> int:
     return _fuse_dense(gm, ctx) + fuse_int4_siblings(gm, ctx)
 
 
+def _dense_member(node, ctx):
+    found = _candidate(node, ctx)
+    if found is None:
+        return None
+    x, w, b = found
+    return (x, w.dtype, w.device, w.shape[1], b is not None), (node, w, b)
+
+
 def _fuse_dense(gm: fx.GraphModule, ctx) -> int:
     graph = gm.graph
-    groups = defaultdict(list)
-    for node in graph.nodes:
-        found = _candidate(node, ctx)
-        if found is not None:
-            x, w, b = found
-            groups[(x, w.dtype, w.device, w.shape[1], b is not None)].append((node, w, b))
     count = 0
-    for (x, *_), members in groups.items():
-        if len(members) < 2:
-            continue
+    for (x, *_), members in U.sibling_groups(graph, lambda node: _dense_member(node, ctx)):
         nodes, weights, biases = zip(*members)
         if len({id(w) for w in weights}) != len(weights):
             ctx.decline("horizontal", nodes[0], "the same weight appears twice")

@@ -20,8 +20,6 @@ weights (weight_cache), like the dense fused weights: changing weights after com
 """
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 import torch.fx as fx
 from torch import Tensor
@@ -49,6 +47,14 @@ def _member(node: fx.Node, ctx):
             or portable[0].device.type != "cpu"):
         return None
     return node.args[0], group_size, portable, bias
+
+
+def _keyed_member(node: fx.Node, ctx):
+    found = _member(node, ctx)
+    if found is None:
+        return None
+    x, group_size, portable, bias = found
+    return (x, group_size, portable[0].shape[1], bias is not None), (node, portable, bias)
 
 
 def _key(kind: str, tensors: list) -> str:
@@ -86,16 +92,8 @@ def _constant(gm: fx.GraphModule, tensor: Tensor) -> fx.Node:
 def fuse_int4_siblings(gm: fx.GraphModule, ctx) -> int:
     """Fuse every group of >= 2 CPU int4 linears with the same input, group size and bias-ness."""
     graph = gm.graph
-    groups = defaultdict(list)
-    for node in graph.nodes:
-        found = _member(node, ctx)
-        if found is not None:
-            x, group_size, portable, bias = found
-            groups[(x, group_size, portable[0].shape[1], bias is not None)].append((node, portable, bias))
     count = 0
-    for (x, group_size, *_), members in groups.items():
-        if len(members) < 2:
-            continue
+    for (x, group_size, *_), members in U.sibling_groups(graph, lambda node: _keyed_member(node, ctx)):
         nodes, portables, biases = zip(*members)
         if len({p[0].data_ptr() for p in portables}) != len(portables):
             ctx.decline("horizontal", nodes[0], "the same int4 weight appears twice")
