@@ -1,9 +1,10 @@
 """Prompt processing's linears alone: M rows (a 512-token prompt) through one SmolLM2-135M layer's
 seven linears (q, k, v, o, gate, up, down; random weights) per candidate CPU path, bf16 activations.
 
-Candidates per weight format: the kernel the quantized module calls today, and "widen then GEMM":
-the weight widened to bf16 (int8 * scale, or int4 (q - 8) * s + z') right before a oneDNN bf16
-GEMM, whose AMX / AVX-512-BF16 paths serve the multiply. Median and min of 5 passes over 30 layers'
+Candidates per weight format: the kernel the quantized module calls today; "widen then GEMM": the
+weight widened to bf16 (int8 * scale, or int4 dequantized) right before a oneDNN bf16 GEMM, whose
+AMX / AVX-512-BF16 paths serve the multiply; for int8 also an integer GEMM (`torch._int_mm`) on
+activations quantized per token. Median and min of 5 passes over 30 layers'
 worth of calls (each layer its own weights, as in a real prompt).
 
     python benchmarks/prefill_linear_paths.py [--rows 512] [--out benchmarks/results/prefill_linear_paths_cpu.json]
@@ -55,6 +56,10 @@ def _layers(rows: int) -> list:
 def candidates() -> dict:
     from ffl_backend import numerics as P
 
+    def int8_activations(c):
+        qx, xs = P.quantize_act_int8(c["x"].float())
+        return (torch._int_mm(qx, c["q8"].T).float() * xs * c["s8"].float()).to(torch.bfloat16)
+
     def int4_kernel(c):
         return torch.ops.fastflow_cpu.int4_gemv(c["x"], c["packed4"], c["sz4"], None, GROUP)
 
@@ -62,6 +67,7 @@ def candidates() -> dict:
         "bf16 F.linear": lambda c: F.linear(c["x"], c["w"]),
         "int8 _weight_int8pack_mm": lambda c: torch._weight_int8pack_mm(c["x"], c["q8"], c["s8"]),
         "int8 widen then GEMM": lambda c: F.linear(c["x"], c["q8"].to(torch.bfloat16) * c["s8"][:, None]),
+        "int8 x int8 _int_mm (per-token x)": int8_activations,
         "int4 fastflow int4_gemv": int4_kernel,
         "int4 widen then GEMM": lambda c: F.linear(
             c["x"], P.dequantize_int4(c["q4"], c["s4"], c["z4"], GROUP, torch.bfloat16)),
