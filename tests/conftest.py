@@ -39,3 +39,16 @@ def int4_form(request, monkeypatch):
     elif not cpu_lib.load():
         pytest.skip(f"CPU kernels not built: {cpu_lib.load_error()}")
     return request.param
+
+
+@pytest.fixture
+def no_fallbacks():
+    """Checks every graph fastflow compiles during the test with tests.helpers.assert_no_fallbacks
+    at teardown (no pattern family fell back, no anchor op left unfused; none compiled is fine).
+    Modules of optimize()/compile tests apply it to every test with
+    `pytestmark = pytest.mark.usefixtures("no_fallbacks")`; a test whose model keeps an anchor op on
+    purpose asks for the fixture and sets `no_fallbacks.unfused_ok`."""
+    from tests.helpers import NoFallbacks
+
+    with NoFallbacks(require_graph=False) as nf:
+        yield nf

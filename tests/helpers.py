@@ -35,4 +35,58 @@ def assert_matches_reference(kernel_out, ref_fn, args, kwargs=None, atol=None, i
         factor = 2.0
         if interpreted and lo.dtype in (torch.bfloat16, torch.float16):
             factor *= INTERPRETER_ROUNDING_FACTOR
-        assert err <= factor * torch_err + tol, f"kernel error {err:.3g} > {factor} x torch error {torch_err:.3g} + {tol}"
+        assert err <= factor * torch_err + tol, \
+            f"kernel error {err:.3g} > {factor} x torch error {torch_err:.3g} + {tol}"
+
+
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """torch's opmath type: fp32 for bf16/fp16/fp32, float64 kept (so the tests' HF formulas run in
+    float64 on float64 inputs and stay high-precision references)."""
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def assert_no_fallbacks(reports, unfused_ok=(), require_graph=True):
+    """Every fusion report in `reports` (ffl_backend.fusion_reports() slices) has no pattern family
+    that fell back (its pass raised and the graph kept its unfused form: right numbers, lost speed)
+    and no anchor op (rsqrt, silu, gelu, layer_norm, tanh) left unfused, except those in
+    `unfused_ok`; with `require_graph`, at least one graph went through fastflow."""
+    reports = list(reports)
+    assert reports or not require_graph, "nothing was compiled through fastflow"
+    for r in reports:
+        assert not r.fallbacks, f"graph {r.graph_id}: pattern families fell back: {r.fallbacks}"
+        left = {k: v for k, v in r.unfused.items() if v and k not in unfused_ok}
+        assert not left, f"graph {r.graph_id}: anchor ops left unfused: {left} ({r.summary()})"
+
+
+class NoFallbacks:
+    """`with NoFallbacks() as nf: ...` checks, on exit, every graph fastflow compiled inside the block
+    with `assert_no_fallbacks`; `nf.reports` lists them."""
+
+    def __init__(self, unfused_ok=(), require_graph=True):
+        self.unfused_ok, self.require_graph, self.reports = unfused_ok, require_graph, []
+
+    def __enter__(self):
+        import ffl_backend
+
+        self._before = len(ffl_backend.fusion_reports())
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        import ffl_backend
+
+        self.reports = ffl_backend.fusion_reports()[self._before:]
+        if exc_type is None:
+            assert_no_fallbacks(self.reports, self.unfused_ok, self.require_graph)
+        return False
+
+
+def fastflow_compiled(fn, *args, ops):
+    """`fn(*args)` compiled by torch.compile(backend="fastflow") -- pattern passes and Inductor --
+    under no_grad (the fused ops have no backward). Checks that it made one graph whose fastflow ops
+    are exactly `ops` (name -> count), with no family fallen back and no anchor op left unfused."""
+    torch._dynamo.reset()
+    with NoFallbacks() as nf, torch.no_grad():
+        out = torch.compile(fn, backend="fastflow", fullgraph=True, options={"on_error": "raise"})(*args)
+    assert len(nf.reports) == 1, [r.summary() for r in nf.reports]
+    assert dict(nf.reports[0].ops) == ops, nf.reports[0].summary()
+    return out

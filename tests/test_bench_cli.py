@@ -2,6 +2,7 @@
 import csv
 import io
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -9,7 +10,7 @@ import sys
 
 import pytest
 
-from tiny_models import tiny_model
+from tiny_models import save_tiny_folder, tiny_model
 
 # Keys every successful result row carries in the JSON (the CSV holds the scalar ones).
 RESULT_KEYS = {"backend", "dtype", "quant", "batch", "prompt_len", "new_tokens", "load_s", "compile_cold_s",
@@ -27,19 +28,7 @@ def _bench(*args, timeout=240):
 @pytest.fixture(scope="module")
 def tiny_folder(tmp_path_factory):
     """A tiny random Llama with a word-level tokenizer, saved as a Hugging Face folder (no download)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    from ffl_backend.bench.session import DEFAULT_TEXT
-
-    folder = tmp_path_factory.mktemp("tiny_llama")
-    words = ["<pad>", "<s>", "</s>", "<unk>"] + sorted(set(DEFAULT_TEXT.split()))
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
-                            unk_token="<unk>").save_pretrained(folder)
-    tiny_model("llama").save_pretrained(folder)  # vocab 128 > the words above; 256 positions
-    return folder
+    return save_tiny_folder(tmp_path_factory.mktemp("tiny_llama"))
 
 
 def _one_line_error(proc, *fragments):
@@ -125,6 +114,29 @@ def test_tiny_model_end_to_end(tiny_folder, tmp_path):
     png = out.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
     assert "| configuration |" in out.with_suffix(".md").read_text()
+
+
+def test_tiny_model_fastflow_and_int8_rows(tiny_folder, tmp_path):
+    """The rows the benchmark exists for: fastflow (optimize() with its defaults) and an int8 model
+    under fastflow, each next to eager of the same dtype, each verified before it is timed."""
+    out = tmp_path / "ff"
+    proc = _bench("--model", str(tiny_folder), "--backends", "eager", "fastflow", "--dtypes", "bfloat16",
+                  "--quant", "none", "int8", "--prompt-lens", "8", "--new-tokens", "6", "--repeats", "2",
+                  "--threads", "1", "--no-warm-compile", "--out", str(out), timeout=400)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "bfloat16 fastflow b1 p8" in proc.stdout and "bfloat16 int8 fastflow b1 p8" in proc.stdout
+    rows = {(r["quant"], r["backend"]): r for r in json.loads(out.with_suffix(".json").read_text())["results"]}
+    assert set(rows) == {("none", "eager"), ("none", "fastflow"), ("int8", "eager"), ("int8", "fastflow")}
+    for r in rows.values():
+        assert "error" not in r, r["error"]
+        assert all(math.isfinite(v) and v > 0 for v in r["decode_tok_s_all"]) and len(r["decode_tok_s_all"]) == 2
+        assert r["deterministic"] and r["rows_equal"] and len(r["tokens"]) == 6
+        assert "matching_prefix" in r  # checked against unquantized bf16 eager before any speed is shown
+    fast, fast8, eager8 = rows["none", "fastflow"], rows["int8", "fastflow"], rows["int8", "eager"]
+    assert fast["tokens_equal_eager"] and fast["matching_prefix"] == 6
+    assert fast["recompiles"] == 0 and fast["graphs_compiled_while_timed"] == 0
+    assert fast8["tokens"] == eager8["tokens"]  # int8 under fastflow decodes as int8 eager does
+    assert fast8["weight_bytes"] < fast["weight_bytes"] / 1.5  # the int8 row really ran quantized
 
 
 def test_outputs_from_a_synthetic_grid(tmp_path):

@@ -9,6 +9,8 @@ import torch
 import ffl_backend
 from tests.tiny_models import tiny_model
 
+pytestmark = pytest.mark.usefixtures("no_fallbacks")  # no pattern family fell back, no anchor left
+
 FAST = {"mode": "default"}  # the loop, not the C++ wrapper's compile time, is under test here
 
 

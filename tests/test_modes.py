@@ -13,6 +13,8 @@ import torch
 import ffl_backend
 from tests.tiny_models import ARCHS, tiny_model
 
+pytestmark = pytest.mark.usefixtures("no_fallbacks")  # no pattern family fell back, no anchor left
+
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 ENTRIES = ("torch.compile", "model.compile", "CompileConfig")
 NEW = 6

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import ffl_backend
+from tests.helpers import NoFallbacks
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The capital of France is"
@@ -32,10 +33,8 @@ def smollm2():
 def test_smollm2_greedy_equals_eager(smollm2):
     model, tokenizer, eager = smollm2
     ids = tokenizer(PROMPT, return_tensors="pt").input_ids
-    before = len(ffl_backend.fusion_reports())
-    with torch.inference_mode():
+    with torch.inference_mode(), NoFallbacks():  # decode compiled through fastflow, every family applied
         out = model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)
-    assert len(ffl_backend.fusion_reports()) > before, "decode did not compile through fastflow"
     assert torch.equal(out, eager), tokenizer.decode(out[0]) + " vs " + tokenizer.decode(eager[0])
     assert model.config._attn_implementation == "fastflow"
 
@@ -47,7 +46,7 @@ def test_smollm2_no_recompiles_across_prompt_lengths(smollm2):
     model, tokenizer, _ = smollm2
     text = ROOT.parent / "shared" / "data" / "prideprejudice.txt"
     before = len(ffl_backend.fusion_reports())
-    with torch.inference_mode():
+    with torch.inference_mode(), NoFallbacks(require_graph=False):
         for length in (17, 100, 333, 512, 900):
             ids = prompt_ids(tokenizer, length, str(text))
             assert ids.shape[1] == length
@@ -65,11 +64,58 @@ def test_pipeline_runs_compiled_after_optimize(smollm2):
 
     model, tokenizer, eager = smollm2
     pipe = pipeline("text-generation", model=model, tokenizer=tokenizer)
-    out = pipe(PROMPT, max_new_tokens=8, do_sample=False)[0]["generated_text"]
+    with NoFallbacks(require_graph=False):
+        out = pipe(PROMPT, max_new_tokens=8, do_sample=False)[0]["generated_text"]
     prompt_len = len(tokenizer(PROMPT).input_ids)
     assert out == PROMPT + tokenizer.decode(eager[0, prompt_len:prompt_len + 8], skip_special_tokens=True)
     with pytest.raises(ValueError, match="max_seq_len"):
         pipe(PROMPT, max_new_tokens=4096)
+
+
+# Greedy agreement of optimize()'s bf16 and quantized SmolLM2 with bf16 eager (HF defaults): the share
+# of AGREE_NEW positions x AGREE_PROMPTS whose token equals eager's. Measured on the project's 2-core
+# Xeon (AVX-512/AMX), torch 2.13.0+cpu, `pytest -q -s tests/test_optimize.py -k agreement`:
+#   bf16 1.00 (72/72; first divergence at [24, 24, 24] = none), int8 0.67 (48/72; [19, 24, 5]),
+#   int4-all 0.43 (31/72; [5, 13, 5]).
+# The bars sit just below. A quantized model leaves eager's path where bf16 eager's own top-2 logits
+# are close and then continues on a plausible path of its own, so the figures are per prompt and a
+# change of prompts needs a new measurement. Compiled in mode "default": the kernels and numerics of
+# optimize()'s "reduce-overhead" (which adds the C++ wrapper only), ~15 s less compile per model.
+# Time on that machine: ~95 s with Inductor's on-disk caches cold, ~40 s warm (a rerun).
+AGREE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
+AGREE_NEW = 24
+AGREE_BARS = {"bf16": 0.95, "int8": 0.6, "int4-all": 0.4}
+
+
+def _greedy_rows(model, rows):
+    with torch.inference_mode():
+        return [model.generate(ids, max_new_tokens=AGREE_NEW, min_new_tokens=AGREE_NEW,
+                               do_sample=False)[0, ids.shape[1]:] for ids in rows]
+
+
+@pytest.fixture(scope="module")
+def bf16_eager():
+    """(prompt ids, bf16 eager greedy tokens per prompt): unpatched SmolLM2 with HF's defaults."""
+    model, tokenizer = ffl_backend.load_smollm2(torch.bfloat16)
+    rows = [tokenizer(p, return_tensors="pt").input_ids for p in AGREE_PROMPTS]
+    return rows, _greedy_rows(model, rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", list(AGREE_BARS))
+def test_smollm2_bf16_and_quantized_greedy_agreement(bf16_eager, variant):
+    rows, eager = bf16_eager
+    model, _ = ffl_backend.load_smollm2(torch.bfloat16)
+    with NoFallbacks():
+        ffl_backend.optimize(model, max_seq_len=64, mode="default",
+                             quant=None if variant == "bf16" else variant)
+        fast = _greedy_rows(model, rows)
+    same = sum(int((a == b).sum()) for a, b in zip(fast, eager))
+    agreement = same / (AGREE_NEW * len(rows))
+    prefixes = [next((i for i in range(AGREE_NEW) if a[i] != b[i]), AGREE_NEW) for a, b in zip(fast, eager)]
+    print(f"\nSmolLM2 {variant} vs bf16 eager: agreement {agreement:.2f} ({same}/{AGREE_NEW * len(rows)}); "
+          f"first divergence {prefixes}")
+    assert agreement >= AGREE_BARS[variant], (agreement, prefixes)
 
 
 def _launch(*launch_args, env=None):

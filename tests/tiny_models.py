@@ -49,3 +49,20 @@ def tiny_model(arch: str, dtype=torch.float32, seed: int = 0):
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     return model
+
+
+def save_tiny_folder(folder, arch: str = "llama"):
+    """A tiny random model with a word-level tokenizer over the benchmark's default text, saved as a
+    Hugging Face folder (no download): what `ffl-bench --model` and `ffl-serve --model` load."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from ffl_backend.bench.session import DEFAULT_TEXT
+
+    words = ["<pad>", "<s>", "</s>", "<unk>"] + sorted(set(DEFAULT_TEXT.split()))
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                            unk_token="<unk>").save_pretrained(folder)
+    tiny_model(arch).save_pretrained(folder)  # vocab 128 > the words above; 256 positions
+    return folder

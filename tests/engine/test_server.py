@@ -1,14 +1,22 @@
 """ffl-serve end to end on an ephemeral loopback port, with a real HTTP client (http.client):
-JSON and SSE streaming completions, bad requests answered 400 while others are served."""
+JSON and SSE streaming completions, bad requests answered 400 while others are served; and main(),
+the `ffl-serve` command, in its own process on a real TCP port."""
 import asyncio
 import http.client
 import json
+import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 
 from ffl_backend.engine import OptimizedInferenceEngine
 from ffl_backend.engine.server import start
+from tests.tiny_models import save_tiny_folder
 
 from .conftest import random_prompts
 
@@ -122,3 +130,55 @@ def test_health_and_unknown_route(served):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", "/nope")
     assert conn.getresponse().status == 404
+
+
+def _get(port, path):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read())
+
+
+def test_main_serves_a_model_folder_on_a_real_port(tmp_path, references):
+    """`ffl-serve` as users start it: main() in its own process loads a model folder (the session's
+    tiny Llama and a word-level tokenizer), listens on a TCP port, answers a text completion with
+    transformers' greedy tokens and its decoded text, and stops cleanly on Ctrl-C (SIGINT)."""
+    from transformers import AutoTokenizer
+
+    folder = save_tiny_folder(tmp_path / "tiny")
+    with socket.socket() as probe:  # a port free now; main() binds it moments later
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.Popen([sys.executable, "-m", "ffl_backend.engine.server", "--model", str(folder), "--port",
+                             str(port), "--max-batch-size", "2", "--max-seq-len", "64", "--compile", "none"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.communicate()[0][-3000:]
+            try:
+                status, health = _get(port, "/health")
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "ffl-serve did not start listening within 120 s"
+                time.sleep(0.2)
+        assert status == 200 and health["status"] == "ok"
+        assert _get(port, "/v1/models")[1]["data"][0]["id"] == str(folder)
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        prompt = "It is a truth universally acknowledged, that a single man"
+        ids = tokenizer(prompt)["input_ids"]
+        resp, text = post(port, {"prompt": prompt, "max_tokens": 8, "temperature": 0})
+        assert resp.status == 200, text
+        choice = json.loads(text)["choices"][0]
+        assert choice["token_ids"] == references(ids, 8)
+        assert choice["text"] == tokenizer.decode(choice["token_ids"], skip_special_tokens=True)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            log = proc.communicate(timeout=60)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            raise
+    assert proc.returncode == 0, log[-3000:]
+    assert f"listening on http://127.0.0.1:{port}/v1/completions" in log

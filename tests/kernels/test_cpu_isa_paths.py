@@ -58,6 +58,7 @@ def test_decode_overhead_benchmark_nulls_the_kernels_inside_the_compiled_step():
 
     import ffl_backend
     from ffl_backend.quant import quantize
+    from tests.helpers import NoFallbacks
     from tests.tiny_models import tiny_model
 
     spec = importlib.util.spec_from_file_location("decode_overhead", ROOT / "benchmarks" / "decode_overhead.py")
@@ -67,7 +68,8 @@ def test_decode_overhead_benchmark_nulls_the_kernels_inside_the_compiled_step():
     quantize(model, "int8-all")
     ffl_backend.optimize(model, max_seq_len=32, mode="default")
     ids = torch.tensor([[5, 6, 7, 8]])
-    row = module.split_step(model, ids, rounds=2, new_tokens=6)
+    with NoFallbacks():
+        row = module.split_step(model, ids, rounds=2, new_tokens=6)
     assert row["null_tokens_all_zero"]
     assert all(len(v) == 2 and min(v) > 0 for v in row["ms_per_step_all"].values())
     with torch.inference_mode():

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ffl_backend.kernels import rotary as R
-from tests.helpers import DTYPES, assert_matches_reference
+from tests.helpers import DTYPES, assert_matches_reference, fastflow_compiled
 
 # (head_dim, rotary_dim, seq_len): Llama-style full rotary at 64; Phi-2-style 80 (not a power of
 # two) in full and partial (32 of 80); GPT-NeoX / Pythia's rotary_pct=0.25 (16 of 64); odd L.
@@ -71,10 +71,42 @@ def test_op_passes_opcheck(dtype, rotary_dim):
     torch.library.opcheck(torch.ops.fastflow.rotary.default, (q, k, cos, sin, rotary_dim))
 
 
-def test_op_on_cpu_equals_reference_eager_and_compiled():
+def _rotate_half(x):
+    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+
+def _hf_rotary(q, k, cos, sin, rotary_dim):
+    """HF's apply_rotary_pos_emb with partial rotary (Phi-3 / GPT-NeoX), written here (not the op's
+    reference): float64 inputs give the exact answer, bf16 ones plain PyTorch's own error."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    out = []
+    for x in (q, k):
+        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
+        out.append(torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1))
+    return tuple(out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim,rotary_dim", [(80, 32), (64, 64)])
+def test_op_on_cpu_matches_float64_hf_math(dtype, head_dim, rotary_dim):
+    """The CPU op (eager) against HF's rotary in float64: <= 2x plain PyTorch's error."""
+    q, k = _qk(2, 6, 2, 7, head_dim, dtype)
+    cos, sin = _cos_sin(2, 7, rotary_dim, dtype)
+    assert_matches_reference(torch.ops.fastflow.rotary(q, k, cos, sin, rotary_dim), _hf_rotary,
+                             (q, k, cos, sin, rotary_dim), interpreted=False)
+
+
+def test_fused_compiled_graph_matches_float64_hf_math():
+    """HF's apply_rotary_pos_emb (partial in fp32, full in bf16) compiled by fastflow (fused, then
+    Inductor's C++) in one graph, against float64."""
     q, k = _qk(2, 6, 2, 7, 80, torch.float32)
     cos, sin = _cos_sin(2, 7, 32, torch.float32)
-    ref = R.rotary_ref(q, k, cos, sin, 32)
-    torch.testing.assert_close(torch.ops.fastflow.rotary(q, k, cos, sin, 32), ref)
-    compiled = torch.compile(lambda *a: torch.ops.fastflow.rotary(*a, 32), fullgraph=True)
-    torch.testing.assert_close(compiled(q, k, cos, sin), ref)
+    qb, kb = _qk(2, 6, 2, 7, 64, torch.bfloat16)
+    cosb, sinb = _cos_sin(2, 7, 64, torch.bfloat16)
+
+    def both(q, k, cos, sin, qb, kb, cosb, sinb):
+        return _hf_rotary(q, k, cos, sin, 32), _hf_rotary(qb, kb, cosb, sinb, 64)
+
+    out32, out16 = fastflow_compiled(both, q, k, cos, sin, qb, kb, cosb, sinb, ops={"rotary": 2})
+    assert_matches_reference(out32, _hf_rotary, (q, k, cos, sin, 32), interpreted=False)
+    assert_matches_reference(out16, _hf_rotary, (qb, kb, cosb, sinb, 64), interpreted=False)
