@@ -43,6 +43,12 @@ class PassContext:
 
 def run_passes(gm: fx.GraphModule, example_inputs, report, options) -> fx.GraphModule:
     """Apply each family in `options.patterns` (in the registry's order); fill `report.matches` / `fallbacks`."""
+    if options.inductor and _needs_gradients(example_inputs):
+        # fastflow's ops have no backward, and Inductor (AOT autograd) traces one for a graph whose
+        # inputs need gradients: such a graph keeps its own ops
+        logger.info("fastflow: graph %s needs gradients; pattern families skipped", report.graph_id)
+        report.reasons.append(("all", "graph", "needs gradients (fastflow's ops have no backward)"))
+        return gm
     ctx = PassContext(gm, example_inputs, report, options)
     for family in (f for f in PATTERN_FAMILIES if f in options.patterns):
         saved = _snapshot(gm.graph)
@@ -59,6 +65,10 @@ def run_passes(gm: fx.GraphModule, example_inputs, report, options) -> fx.GraphM
             gm.graph = saved
     gm.recompile()
     return gm
+
+
+def _needs_gradients(example_inputs) -> bool:
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in example_inputs)
 
 
 def _snapshot(graph: fx.Graph) -> fx.Graph:

@@ -35,7 +35,7 @@ def test_broken_pattern_falls_back_to_the_original_graph(monkeypatch, caplog, in
 
     monkeypatch.setattr(norms, "rms_norm_pass", broken)
     x, w = torch.randn(4, 32), torch.nn.Parameter(torch.randn(32))
-    with caplog.at_level(logging.WARNING, logger="ffl_backend"):
+    with caplog.at_level(logging.WARNING, logger="ffl_backend"), torch.no_grad():
         out = _compile(rms, inductor=inductor)(x, w)  # Inductor: the restored graph must compile
     torch.testing.assert_close(out, rms(x, w))
     rep = ffl_backend.last_report()
@@ -171,3 +171,25 @@ def test_configure_generate_enables_fast_guards_and_they_still_catch_changes():
             compiled(ids)
             model.model.layers[0].mlp.act_fn = torch.nn.Identity()
             torch.testing.assert_close(compiled(ids).logits, model(ids).logits)
+
+
+def test_a_graph_that_needs_gradients_compiles_without_fused_ops():
+    """fastflow's ops have no backward: with grad enabled and trainable weights the families stand
+    aside, and the compiled model trains like the eager one."""
+    from tests.tiny_models import tiny_model
+
+    model = tiny_model("llama")
+    ids = torch.randint(3, 128, (1, 6))
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="fastflow")
+    out = compiled(ids).logits
+    rep = ffl_backend.last_report()
+    assert sum(rep.matches.values()) == 0 and ("all", "graph") == rep.reasons[-1][:2]
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(ids).logits.sum().backward()
+    torch.testing.assert_close(out, model(ids).logits)
+    for got, expected in zip(grads, (p.grad for p in model.parameters())):
+        torch.testing.assert_close(got, expected)
+
