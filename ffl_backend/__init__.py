@@ -42,9 +42,9 @@ _LAZY = {
     "optimize": "api",
     "restore": "api",
     "kv_cache_bytes": "api",
-    "quantize": "quant.api",
+    "quantize": "quant.quantizer",
     "load_quantized": "quant.serialization",
-    "QuantConfig": "quant.config",
+    "QuantConfig": "quant.schemes",
     "OptimizedInferenceEngine": "engine.engine",
 }
 

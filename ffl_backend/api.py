@@ -115,7 +115,7 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     from .config import BackendOptions
     from .decode_loop import DecodeLoop
     from .generation import configure_generate
-    from .quant.api import quantize
+    from .quant.quantizer import quantize
     from .quant.weight_layout import share_fused_storage
 
     BackendOptions.parse(mode, backend_options)  # a typo fails here, not at the first decode step

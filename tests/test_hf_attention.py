@@ -168,7 +168,7 @@ def test_optimize_quant_goes_through_quantize():
     ids = torch.randint(3, 128, (1, 5))
     expected = _greedy(ffl_backend.quantize(tiny_model("llama", dtype=torch.bfloat16), "int8"), ids)  # eager int8
     model = ffl_backend.optimize(tiny_model("llama", dtype=torch.bfloat16), quant="int8", max_seq_len=64, **FAST)
-    assert len(ffl_backend.quant.api.quantized_modules(model)) == 7 * model.config.num_hidden_layers
+    assert len(ffl_backend.quant.quantizer.quantized_modules(model)) == 7 * model.config.num_hidden_layers
     before = _graph_count()
     assert _greedy(model, ids).tolist() == expected.tolist()
     (report,) = ffl_backend.fusion_reports()[before:]  # one decode graph, int8 linears in it

@@ -24,7 +24,7 @@ import sys
 import tempfile
 import time
 
-from ..quant.config import PRESETS, SCHEMES
+from ..quant.schemes import PRESETS, SCHEMES
 from . import llamacpp
 from .interleave import fits_in_memory, run_worker, setup_order, time_interleaved
 

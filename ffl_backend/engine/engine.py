@@ -130,7 +130,7 @@ class OptimizedInferenceEngine:
         model, tokenizer = _load(model_or_path, tokenizer, dtype)
         _check_supported(model.config)
         if quant is not None:
-            from ..quant.api import quantize
+            from ..quant.quantizer import quantize
 
             model = quantize(model, quant)
         if device is not None:

@@ -14,10 +14,10 @@ __all__ = ["QuantConfig", "resolve", "quantize", "report", "save_quantized", "lo
            "quantized_modules", "register_with_transformers"]
 
 _LAZY = {
-    "QuantConfig": "config",
-    "resolve": "config",
-    "quantize": "api",
-    "quantized_modules": "api",
+    "QuantConfig": "schemes",
+    "resolve": "schemes",
+    "quantize": "quantizer",
+    "quantized_modules": "quantizer",
     "report": "layer_report",
     "save_quantized": "serialization",
     "load_quantized": "serialization",

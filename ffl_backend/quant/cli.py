@@ -50,7 +50,7 @@ def _load(args):
 
 
 def _config(args, scheme: str):
-    from .config import DEFAULT_SKIP, PRESETS, QuantConfig, resolve_steps, scheme_name_fields
+    from .schemes import DEFAULT_SKIP, PRESETS, QuantConfig, resolve_steps, scheme_name_fields
 
     gptq = getattr(args, "gptq", False)
     if scheme in PRESETS and gptq:  # GPTQ for the preset's int4 linears; its int8 head stays round-to-nearest
@@ -114,7 +114,7 @@ def _linear_counts(model) -> dict:
     activation scales, and "high precision" for those quantize kept (embeddings not counted)."""
     from torch import nn
 
-    from .api import STATE_ATTR, quantized_modules
+    from .quantizer import STATE_ATTR, quantized_modules
 
     counts: dict[str, int] = {}
     for m in quantized_modules(model).values():
@@ -141,7 +141,7 @@ def eval_ppl_main(argv=None) -> int:
     parser.set_defaults(calib_tokens=None)  # 2048, or GPTQ_CALIB_TOKENS with --gptq
     args = parser.parse_args(argv)
     calib_tokens = args.calib_tokens or (GPTQ_CALIB_TOKENS if args.gptq else 2048)
-    from .api import quantize
+    from .quantizer import quantize
 
     base, tokenizer = _load(args)
     ids = _tokens(tokenizer, args.text)

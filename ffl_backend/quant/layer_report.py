@@ -18,10 +18,10 @@ import torch
 from torch import nn
 
 from .. import numerics as P
-from .api import _keep_reason, select_linears
 from .calibration import as_batches
-from .config import resolve
 from .modules import MODULES
+from .quantizer import _keep_reason, select_linears
+from .schemes import resolve
 
 DEFAULT_TARGET_SQNR = 25.0  # dB
 
@@ -83,8 +83,8 @@ def report(model: nn.Module, config, calibration_data, *, target_sqnr: float = D
 
 def _search(model: nn.Module, targets: dict, cfg, calibration_data):
     """quantize's w8a8 search Plan for `targets`, without applying it."""
-    from .api import _dynamic_fallbacks
     from .calibration import collect
+    from .quantizer import _dynamic_fallbacks
     from .w8a8_search import search
 
     _, token_absmax, groups = collect(model, list(targets), calibration_data)

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from .. import numerics as P
 from ..kernels import quant_linear as K
-from .config import QuantConfig
+from .schemes import QuantConfig
 
 ALIGN = 64  # bytes: a cache line, and what torch's CPU allocator gives
 

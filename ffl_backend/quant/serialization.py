@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .api import STATE_ATTR, _set_module, quantized_modules, share_cpu_forms
 from .modules import QuantizedModule, build_module, replaced_type
+from .quantizer import STATE_ATTR, _set_module, quantized_modules, share_cpu_forms
 
 
 def register_with_transformers() -> None:

@@ -67,8 +67,8 @@ def test_multi_row_and_inexact_fp32_and_eager_graphs_are_left_alone():
 @pytest.mark.parametrize("rows,expected", [(1, 1), (3, 0)])
 def test_int8_linear_single_row_is_rewritten_and_matches_reference(dtype, rows, expected):
     from ffl_backend.kernels.quant_linear import int8_linear_ref
-    from ffl_backend.quant.config import QuantConfig
     from ffl_backend.quant.modules import Int8Linear
+    from ffl_backend.quant.schemes import QuantConfig
 
     q = Int8Linear.from_linear(_linear_model(77, 123, dtype, True), QuantConfig("int8")).eval()
     x = torch.randn(1, rows, 123, dtype=dtype)

@@ -60,7 +60,7 @@ def test_other_schemes_keep_embeddings_with_a_reason():
 
 
 def test_int8_all_preset_names_that_config():
-    from ffl_backend.quant.config import resolve
+    from ffl_backend.quant.schemes import resolve
 
     assert resolve("int8-all") == ALL_INT8
 

@@ -126,7 +126,8 @@ def test_quantize_pages_out_each_replaced_weight(saved_llama, monkeypatch):
     linears = {id(m.weight) for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and name != "lm_head"}
     paged, real_page_out = [], file_pages.page_out
-    monkeypatch.setattr("ffl_backend.quant.api.page_out", lambda t, r=None: paged.append(id(t)) or real_page_out(t, r))
+    monkeypatch.setattr("ffl_backend.quant.quantizer.page_out",
+                        lambda t, r=None: paged.append(id(t)) or real_page_out(t, r))
     ffl_backend.quantize(model, "int8")
     assert set(paged) == linears
 
@@ -137,9 +138,9 @@ def test_quantize_returns_the_free_heap_after_every_replaced_layer(saved_llama, 
     model = AutoModelForCausalLM.from_pretrained(saved_llama, dtype=torch.bfloat16).eval()
     events = []
     real_page_out = file_pages.page_out
-    monkeypatch.setattr("ffl_backend.quant.api.page_out",
+    monkeypatch.setattr("ffl_backend.quant.quantizer.page_out",
                         lambda t, r=None: events.append("page_out") or real_page_out(t, r))
-    monkeypatch.setattr("ffl_backend.quant.api.release_free_heap", lambda: events.append("trim"))
+    monkeypatch.setattr("ffl_backend.quant.quantizer.release_free_heap", lambda: events.append("trim"))
     ffl_backend.quantize(model, "int8")
     layers = events.count("page_out")
     assert layers > 1 and events[:2 * layers] == ["page_out", "trim"] * layers

@@ -10,7 +10,7 @@ import ffl_backend
 from ffl_backend import numerics as P
 from ffl_backend.quant import gptq as G
 from ffl_backend.quant import modules as M
-from ffl_backend.quant.api import quantized_modules
+from ffl_backend.quant.quantizer import quantized_modules
 from tests.tiny_models import tiny_model
 
 N, K, GROUP, TOKENS = 24, 96, 32, 256

@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 import ffl_backend
 from ffl_backend.quant import save_quantized
-from ffl_backend.quant.api import quantized_modules
 from ffl_backend.quant.hf_integration import FastflowQuantizationConfig, register_with_transformers
+from ffl_backend.quant.quantizer import quantized_modules
 from tests.tiny_models import tiny_model
 
 CALIB = [torch.randint(3, 128, (1, 32), generator=torch.Generator().manual_seed(1))]

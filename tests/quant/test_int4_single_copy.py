@@ -10,8 +10,8 @@ import ffl_backend
 from ffl_backend import numerics as P
 from ffl_backend.kernels import quant_linear as K
 from ffl_backend.quant import QuantConfig, save_quantized
-from ffl_backend.quant.api import quantized_modules
 from ffl_backend.quant.modules import Int4Linear, is_stand_in
+from ffl_backend.quant.quantizer import quantized_modules
 from tests.tiny_models import tiny_model
 
 

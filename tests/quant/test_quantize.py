@@ -8,7 +8,7 @@ import torch
 import ffl_backend
 from ffl_backend import numerics as P
 from ffl_backend.quant import modules as M
-from ffl_backend.quant.api import quantized_modules
+from ffl_backend.quant.quantizer import quantized_modules
 from tests.tiny_models import tiny_model
 
 # Logit SQNR floors of the quantized tiny Llama vs its float model (measured minus ~3 dB).

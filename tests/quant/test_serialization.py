@@ -7,7 +7,7 @@ import torch
 
 import ffl_backend
 from ffl_backend.quant import save_quantized
-from ffl_backend.quant.api import quantized_modules
+from ffl_backend.quant.quantizer import quantized_modules
 from tests.tiny_models import tiny_model
 
 CONFIGS = {"int8": "int8", "int4": ffl_backend.QuantConfig("int4", group_size=32),

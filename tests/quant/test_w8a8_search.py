@@ -10,9 +10,9 @@ import ffl_backend
 from ffl_backend import numerics as P
 from ffl_backend.quant import calibration, report
 from ffl_backend.quant import w8a8_search as S
-from ffl_backend.quant.api import quantized_modules
-from ffl_backend.quant.config import QuantConfig
 from ffl_backend.quant.modules import W8A8Linear
+from ffl_backend.quant.quantizer import quantized_modules
+from ffl_backend.quant.schemes import QuantConfig
 from tests.tiny_models import tiny_model
 
 
@@ -212,7 +212,7 @@ def test_config_validation():
 
 
 def test_w8a8_static_preset_is_the_searched_config_and_needs_calibration():
-    from ffl_backend.quant.config import resolve_steps
+    from ffl_backend.quant.schemes import resolve_steps
     from tests.tiny_models import tiny_model
 
     (cfg,) = resolve_steps("w8a8-static")

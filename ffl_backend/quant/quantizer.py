@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from . import calibration
-from .config import QuantConfig, resolve_steps
 from .file_pages import copy_out_of_file_mappings, file_mappings, page_out, release_free_heap
 from .modules import MODULES, Int8Embedding, Int8Linear, QuantizedModule
+from .schemes import QuantConfig, resolve_steps
 from .weight_layout import share_sibling_packs
 
 logger = logging.getLogger("ffl_backend")
