@@ -1,11 +1,12 @@
 """Prompt processing's linears alone: M rows (a 512-token prompt) through one SmolLM2-135M layer's
 seven linears (q, k, v, o, gate, up, down; random weights) per candidate CPU path, bf16 activations.
 
-Candidates per weight format: the kernel the quantized module calls today; "widen then GEMM": the
-weight widened to bf16 (int8 * scale, or int4 dequantized) right before a oneDNN bf16 GEMM, whose
-AMX / AVX-512-BF16 paths serve the multiply; for int8 also an integer GEMM (`torch._int_mm`) on
-activations quantized per token. Median and min of 5 passes over 30 layers'
-worth of calls (each layer its own weights, as in a real prompt).
+Candidates per weight format: the row kernels (torch's int8, fastflow's int4_gemv); the op as
+quant_linear runs it (it widens from WIDEN_MIN_ROWS rows where the CPU has native bf16 matrices);
+"widen then GEMM": the weight widened to bf16 right before a oneDNN bf16 GEMM, whose AMX /
+AVX-512-BF16 paths serve the multiply; for int8 also an integer GEMM (`torch._int_mm`) on
+activations quantized per token. Median and min of 5 passes over 30 layers' worth of calls (each
+layer its own weights, as in a real prompt).
 
     python benchmarks/prefill_linear_paths.py [--rows 512] [--out benchmarks/results/prefill_linear_paths_cpu.json]
 """
@@ -55,6 +56,7 @@ def _layers(rows: int) -> list:
 
 def candidates() -> dict:
     from ffl_backend import numerics as P
+    from ffl_backend.kernels.quant_linear import int4_cpu_linear
 
     def int8_activations(c):
         qx, xs = P.quantize_act_int8(c["x"].float())
@@ -69,9 +71,21 @@ def candidates() -> dict:
         "int8 widen then GEMM": lambda c: F.linear(c["x"], c["q8"].to(torch.bfloat16) * c["s8"][:, None]),
         "int8 x int8 _int_mm (per-token x)": int8_activations,
         "int4 fastflow int4_gemv": int4_kernel,
-        "int4 widen then GEMM": lambda c: F.linear(
+        "int4 widen then GEMM (torch)": lambda c: F.linear(
             c["x"], P.dequantize_int4(c["q4"], c["s4"], c["z4"], GROUP, torch.bfloat16)),
+        "int4 widen then GEMM (int4_widen)": lambda c: F.linear(
+            c["x"], torch.ops.fastflow_cpu.int4_widen(c["packed4"], c["sz4"], GROUP)),
+        "int4 op (quant_linear's CPU path)": lambda c: int4_cpu_linear(c["x"], c["packed4"], c["sz4"], GROUP, None),
+        "int8 op (quant_linear's CPU path)": lambda c: torch.ops.fastflow.int8_linear(c["x"], c["q8"], c["s8"], None,
+                                                                                        c["s8"]),
     }
+
+
+def cpu_model() -> str:
+    for line in open("/proc/cpuinfo"):
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -94,7 +108,7 @@ def main() -> None:
         print(f"{name:<28} {timing['median_ms']:8.1f} ms  (min {timing['min_ms']:.1f})  "
               f"{timing['gflops']:7.1f} GFLOP/s", flush=True)
     record = {"rows": args.rows, "layers": LAYERS, "group_size": GROUP, "threads": torch.get_num_threads(),
-              "cpu": platform.processor() or platform.machine(), "torch": torch.__version__, "results": results}
+              "cpu": cpu_model(), "torch": torch.__version__, "results": results}
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(record, fh, indent=1)

@@ -1,6 +1,7 @@
 """The `fastflow_cpu` C++ library: its CPU kernels, built on first use and loaded as torch ops.
 
     gemv, int4_gemv     decode GEMVs (cpu_gemv.cpp; the ops' references: cpu_gemv.py, int4_layout.py)
+    int4_widen          an int4_gemv weight widened to bf16, for prompt GEMMs (cpu_widen.cpp; int4_layout.py)
     decode_attention    a few query rows over a static cache (cpu_attention.cpp; attention/reference.py)
     argmax              the greedy token (cpu_argmax.cpp)
 
@@ -33,7 +34,8 @@ from .int4_layout import INT4_ROWS
 logger = logging.getLogger(__name__)
 
 # cpu_kernels.h is what the sources share.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_argmax.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_argmax.cpp",
+                                                          "cpu_widen.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 OP_NAMESPACE = "fastflow_cpu"
 
@@ -123,6 +125,7 @@ def _try_load() -> bool:
         torch.library.register_fake(f"{OP_NAMESPACE}::int4_gemv")(_fake_int4_gemv)
         torch.library.register_fake(f"{OP_NAMESPACE}::decode_attention")(_fake_decode_attention)
         torch.library.register_fake(f"{OP_NAMESPACE}::argmax")(_fake_argmax)
+        torch.library.register_fake(f"{OP_NAMESPACE}::int4_widen")(_fake_int4_widen)
         return True
     except Exception as exc:  # no compiler, no headers, a link error: keep the pure-torch paths
         _state["error"] = str(exc)
@@ -147,6 +150,10 @@ def _fake_decode_attention(q: Tensor, k_cache, v_cache, filled, scale, window, m
     # (B, Lq, Hq, D) memory seen as (B, Hq, Lq, D), as the kernel returns it
     b, hq, lq, d = q.shape
     return q.new_empty((b, lq, hq, d)).transpose(1, 2)
+
+
+def _fake_int4_widen(packed: Tensor, scale_zeros, group_size: int) -> Tensor:
+    return packed.new_empty((packed.shape[0] * INT4_ROWS, packed.shape[1] * 8), dtype=torch.bfloat16)
 
 
 def _fake_argmax(x: Tensor) -> Tensor:

@@ -43,14 +43,24 @@ def int4_layout_codes(packed: Tensor) -> Tensor:
     return torch.stack([b & 0xF, b >> 4], dim=3).reshape(nb * INT4_ROWS, chunks * INT4_CHUNK)
 
 
-def int4_gemv_ref(x: Tensor, packed: Tensor, scale_zeros: Tensor, bias: Optional[Tensor], group_size: int) -> Tensor:
-    """Pure-torch reference of `int4_gemv`: the dequantized weight (q - 8) * s + z' in fp32, x @ w.T
-    (+ bias) in fp32, x's dtype out. (The kernel reads x as int16 per group: relative error ~1e-5.)"""
+def int4_layout_weight(packed: Tensor, scale_zeros: Tensor, group_size: int) -> Tensor:
+    """The (N, K) weight (q - 8) * s + z' in fp32 that an `int4_gemv` layout holds."""
     codes = int4_layout_codes(packed).float()
     sz = scale_zeros.float().permute(0, 3, 1, 2).reshape(codes.shape[0], -1, 2)  # (N, K/G, 2)
     s, zp = (sz[..., i].repeat_interleave(group_size, dim=1) for i in (0, 1))
+    return (codes - 8) * s + zp
+
+
+def int4_gemv_ref(x: Tensor, packed: Tensor, scale_zeros: Tensor, bias: Optional[Tensor], group_size: int) -> Tensor:
+    """Pure-torch reference of `int4_gemv`: the dequantized weight in fp32, x @ w.T (+ bias) in fp32,
+    x's dtype out. (The kernel reads x as int16 per group: relative error ~1e-5.)"""
     acc = acc_dtype(x)
-    y = x.to(acc) @ ((codes - 8) * s + zp).to(acc).T
+    y = x.to(acc) @ int4_layout_weight(packed, scale_zeros, group_size).to(acc).T
     if bias is not None:
         y = y + bias.to(acc)
     return y.to(x.dtype)
+
+
+def int4_widen_ref(packed: Tensor, scale_zeros: Tensor, group_size: int) -> Tensor:
+    """Pure-torch reference of `int4_widen` (cpu_widen.cpp): the weight rounded once to bf16."""
+    return int4_layout_weight(packed, scale_zeros, group_size).to(torch.bfloat16)

@@ -91,6 +91,25 @@ def fp8_linear_ref(x: Tensor, qweight: Tensor, w_scale: Tensor, bias: Optional[T
 
 # --- CPU paths ------------------------------------------------------------------------------------
 
+# Rows from which a bf16 int8/int4 linear on a CPU with native bf16 matrix instructions (AMX or
+# AVX-512-BF16) widens its weight to bf16 and runs one oneDNN GEMM instead of the row kernels: a
+# prompt's linears (benchmarks/prefill_linear_paths.py; results/prefill_linear_paths_cpu_xeon.json).
+# Widening costs one pass over the weight, which many rows repay. Numerics: the weight rounded once
+# to bf16 (q * s for int8, (q - 8) * s + z' for int4), products in fp32.
+WIDEN_MIN_ROWS = 32
+
+
+@functools.cache
+def native_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (AMX tiles or AVX-512-BF16)."""
+    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+
+
+def _widens(x: Tensor) -> bool:
+    """Whether a quantized linear of `x` takes the widen-then-GEMM path (see WIDEN_MIN_ROWS)."""
+    return x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] >= WIDEN_MIN_ROWS and native_bf16_matmul()
+
+
 def int4_cpu_form(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int):
     """The CPU kernels' form of an int4 weight, made once at quantize or load time: fastflow's
     `int4_gemv` layout ((N/16, K/8, 64) codes, (N/16, K/G, 2, 16) scale/zero) where that kernel is
@@ -176,6 +195,8 @@ def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],
         cpu_scale = scale
     elif cpu_scale is None:  # direct eager calls only; quantized modules always pass cpu_scale
         cpu_scale = scale.to(torch.bfloat16)
+    if _widens(x):
+        return torch.nn.functional.linear(x, qweight.to(torch.bfloat16) * cpu_scale[:, None], bias)
     if qweight.shape[1] % INT8_CPU_K_MULTIPLE:
         return int8_linear_ref(x, qweight, scale, bias)
     x2d = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
@@ -185,6 +206,9 @@ def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],
 def int4_cpu_linear(x: Tensor, packed: Tensor, scale_zeros: Tensor, group_size: int,
               bias: Optional[Tensor]) -> Tensor:
     """An int4 linear on either CPU form (`int4_cpu_form`)."""
+    if packed.dim() == 3 and _widens(x):
+        weight = torch.ops.fastflow_cpu.int4_widen(packed, scale_zeros, group_size)
+        return torch.nn.functional.linear(x, weight, bias)
     if packed.dim() == 3:  # fastflow's layout: the kernel takes fp32/bf16/fp16 rows and returns x's dtype
         if x.dtype in cpu_gemv.ACTIVATION_DTYPES:
             return torch.ops.fastflow_cpu.int4_gemv(x, packed, scale_zeros, bias, group_size)

@@ -190,3 +190,18 @@ def test_float64_rows_go_through_fp32():
     out = int4_cpu_linear(x.double(), packed, sz, g, bias)
     assert out.dtype == torch.float64
     torch.testing.assert_close(out, torch.ops.fastflow_cpu.int4_gemv(x, packed, sz, bias, g).double(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n,k,group_size", [(16, 64, 32), (48, 96, 32), (80, 256, 128), (32, 40, 8)])
+def test_int4_widen_equals_reference(n, k, group_size):
+    """The prompt path's widening (cpu_widen.cpp): the bf16 weight of the layout, exactly or within
+    one bf16 rounding (the kernel may fuse (q - 8) * s + z' into one FMA before rounding)."""
+    codes, scale_zeros, _ = _quantized(n, k, group_size)
+    packed, sz = int4_layout.int4_layout(codes, scale_zeros, group_size)
+    got = torch.ops.fastflow_cpu.int4_widen(packed, sz, group_size)
+    exact = int4_layout.int4_layout_weight(packed, sz, group_size)
+    assert got.dtype == torch.bfloat16 and got.shape == (n, k)
+    ulp = exact.abs().clamp_min(2**-126) * 2**-8
+    assert ((got.float() - exact).abs() <= ulp).all()
+    assert (got == int4_layout.int4_widen_ref(packed, sz, group_size)).float().mean() > 0.99
+    torch.library.opcheck(torch.ops.fastflow_cpu.int4_widen.default, (packed, sz, group_size))

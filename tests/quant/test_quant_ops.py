@@ -72,6 +72,31 @@ def test_int4_cpu_path_matches_reference(dtype, shape, group):
     assert_bf16_path_close(out, K.int4_linear_ref, (x, qw, s, z, group, b))
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("shape", [(64, 576, 192), (2, 40, 96, 80)])
+def test_prompt_rows_widen_the_weight_and_match_the_reference(scheme, shape):
+    """From WIDEN_MIN_ROWS rows of bf16 x, on CPUs with native bf16 matrices, the weight is widened to
+    bf16 for one GEMM: within the bf16 bound of the float64 reference."""
+    from ffl_backend.kernels import cpu_lib
+
+    x, w, b = _inputs(shape, torch.bfloat16)
+    if not K._widens(x):
+        pytest.skip("no native bf16 matrix instructions on this CPU: the row kernels serve prompts")
+    if scheme == "int8":
+        q, s = P.quantize_int8(w)
+        out = torch.ops.fastflow.int8_linear(x, q, s, b, s)
+        assert_bf16_path_close(out, K.int8_linear_ref, (x, q, s, b))
+    else:
+        if not cpu_lib.load():
+            pytest.skip(f"CPU kernels not built: {cpu_lib.load_error()}")
+        q, s, z = P.quantize_int4(w, 32)
+        qw = P.pack_int4(q)
+        packed, sz = K.int4_cpu_form(qw, s, z, 32)
+        assert packed.dim() == 3  # fastflow's layout, which the widening reads
+        out = torch.ops.fastflow.int4_linear(x, qw, s, z, 32, b, packed, sz)
+        assert_bf16_path_close(out, K.int4_linear_ref, (x, qw, s, z, 32, b))
+
+
 def test_int4_falls_back_to_reference_where_torch_kernel_cannot_run():
     x, w, b = _inputs((3, 64, 40), torch.float32)  # N = 40: not a multiple of 16
     q, s, z = P.quantize_int4(w, 32)
