@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from ..bench.grid import environment
+
 WINDOW = 512
 # GPTQ's Hessians want more tokens than w8a8's ranges; beyond this many perplexity did not improve
 # on SmolLM2 (docs/quantization.md).
@@ -164,7 +166,8 @@ def eval_ppl_main(argv=None) -> int:
               + (f"  linears: {counts}" if counts else ""))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"tokens": eval_ids.numel(), "window": args.window, "results": results}, fh, indent=1)
+            json.dump({"environment": environment(), "command": " ".join(["ffl-eval-ppl", *sys.argv[1:]]),
+                       "tokens": eval_ids.numel(), "window": args.window, "results": results}, fh, indent=1)
     return 0
 
 
@@ -185,7 +188,7 @@ def quant_report_main(argv=None) -> int:
     print(format_table(rep, args.limit))
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump(rep, fh, indent=1)
+            json.dump({"environment": environment(), **rep}, fh, indent=1)
     return 0
 
 
