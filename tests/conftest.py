@@ -6,6 +6,9 @@ import os
 if os.environ.get("FFL_NATIVE_TRITON") != "1":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Kernel choices stay the built-in defaults (no timed search, the same on every machine);
+# tests/kernels/test_autotune.py turns the search on against a cache folder of its own.
+os.environ.setdefault("FFL_AUTOTUNE", "0")
 
 import zlib  # noqa: E402
 

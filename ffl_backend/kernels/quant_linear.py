@@ -22,13 +22,14 @@ CPU paths (the choices' measurements: docs/quantization.md and benchmarks/result
 from __future__ import annotations
 
 import functools
+import time
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import numerics as P
-from . import cpu_gemv, cpu_lib, int4_layout, triton_quant
+from . import autotune, cpu_gemv, cpu_lib, int4_layout, triton_quant
 from ._triton import on_triton_device, rows_2d
 from .triton_quant import aot_specs  # noqa: F401  (the ops' Triton launch configs, read by kernels.aot)
 
@@ -94,9 +95,12 @@ def fp8_linear_ref(x: Tensor, qweight: Tensor, w_scale: Tensor, bias: Optional[T
 # Rows from which a bf16 int8/int4 linear on a CPU with native bf16 matrix instructions (AMX or
 # AVX-512-BF16) widens its weight to bf16 and runs one oneDNN GEMM instead of the row kernels: a
 # prompt's linears (benchmarks/prefill_linear_paths.py; results/prefill_linear_paths_cpu_xeon.json).
-# Widening costs one pass over the weight, which many rows repay. Numerics: the weight rounded once
-# to bf16 (q * s for int8, (q - 8) * s + z' for int4), products in fp32.
+# Widening costs one pass over the weight, which enough rows repay; how many is searched per machine
+# and weight shape (autotune.py), WIDEN_MIN_ROWS where the search is off. Numerics: the weight
+# rounded once to bf16 (q * s for int8, (q - 8) * s + z' for int4), products in fp32.
 WIDEN_MIN_ROWS = 32
+WIDEN_ROW_CHOICES = (WIDEN_MIN_ROWS, 8, 16, 64, 128, 1 << 30)  # the last: never widen
+_TUNING_ROWS = (8, 16, 32, 64, 128)  # the prompt sizes a threshold is judged on
 
 
 @functools.cache
@@ -105,9 +109,51 @@ def native_bf16_matmul() -> bool:
     return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
 
 
-def _widens(x: Tensor) -> bool:
+def _widens(x: Tensor, kind: str, n: int, k: int) -> bool:
     """Whether a quantized linear of `x` takes the widen-then-GEMM path (see WIDEN_MIN_ROWS)."""
-    return x.dtype == torch.bfloat16 and x.numel() // x.shape[-1] >= WIDEN_MIN_ROWS and native_bf16_matmul()
+    rows = x.numel() // x.shape[-1]
+    return (x.dtype == torch.bfloat16 and rows >= min(WIDEN_ROW_CHOICES) and native_bf16_matmul()
+            and rows >= widen_min_rows(kind, n, k))
+
+
+def widen_min_rows(kind: str, n: int, k: int) -> int:
+    """The row count from which `kind` ("int8" or "int4") widens an (n, k) weight on this machine."""
+    times, paths = {}, {}
+
+    def cost(threshold: int) -> float:  # a prompt of each tuning size, each on the path this threshold picks
+        if not paths:
+            paths.update(_tuning_paths(kind, n, k))
+        for rows in _TUNING_ROWS:
+            for widen in (False, True):
+                if (rows, widen) not in times:
+                    times[rows, widen] = _seconds(paths[widen], torch.randn(rows, k, dtype=torch.bfloat16))
+        return sum(times[rows, rows >= threshold] for rows in _TUNING_ROWS)
+
+    return autotune.choose(f"widen_min_rows:{kind}", (n, k), WIDEN_ROW_CHOICES, cost)
+
+
+def _tuning_paths(kind: str, n: int, k: int) -> dict:
+    """{False: the row kernel, True: widen then GEMM} on a random weight of this shape."""
+    w = torch.randn(n, k) / k**0.5
+    if kind == "int8":
+        q, s = P.quantize_int8(w, torch.bfloat16)
+        return {False: lambda x: torch._weight_int8pack_mm(x, q, s),
+                True: lambda x: torch.nn.functional.linear(x, q.to(torch.bfloat16) * s[:, None])}
+    q, s, z = P.quantize_int4(w, INT4_CPU_GROUPS[0], scale_dtype=torch.bfloat16)
+    packed, sz = int4_cpu_form(P.pack_int4(q), s, z, INT4_CPU_GROUPS[0])
+    return {False: lambda x: int4_cpu_linear(x, packed, sz, INT4_CPU_GROUPS[0], None, widen=False),
+            True: lambda x: int4_cpu_linear(x, packed, sz, INT4_CPU_GROUPS[0], None, widen=True)}
+
+
+def _seconds(fn, x: Tensor, repeats: int = 3) -> float:
+    """The fastest of a few calls (after one warm-up): the search wants the kernels' cost, not noise."""
+    fn(x)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - start)
+    return best
 
 
 def int4_cpu_form(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int):
@@ -195,7 +241,7 @@ def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],
         cpu_scale = scale
     elif cpu_scale is None:  # direct eager calls only; quantized modules always pass cpu_scale
         cpu_scale = scale.to(torch.bfloat16)
-    if _widens(x):
+    if _widens(x, "int8", *qweight.shape):
         return torch.nn.functional.linear(x, qweight.to(torch.bfloat16) * cpu_scale[:, None], bias)
     if qweight.shape[1] % INT8_CPU_K_MULTIPLE:
         return int8_linear_ref(x, qweight, scale, bias)
@@ -204,12 +250,16 @@ def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],
 
 
 def int4_cpu_linear(x: Tensor, packed: Tensor, scale_zeros: Tensor, group_size: int,
-              bias: Optional[Tensor]) -> Tensor:
-    """An int4 linear on either CPU form (`int4_cpu_form`)."""
-    if packed.dim() == 3 and _widens(x):
+                    bias: Optional[Tensor], widen: Optional[bool] = None) -> Tensor:
+    """An int4 linear on either CPU form (`int4_cpu_form`); `widen` forces the path (None: decided by
+    the rows, see WIDEN_MIN_ROWS)."""
+    fastflow_layout = packed.dim() == 3
+    if widen is None:
+        widen = fastflow_layout and _widens(x, "int4", packed.shape[0] * 16, packed.shape[1] * 8)
+    if widen:
         weight = torch.ops.fastflow_cpu.int4_widen(packed, scale_zeros, group_size)
         return torch.nn.functional.linear(x, weight, bias)
-    if packed.dim() == 3:  # fastflow's layout: the kernel takes fp32/bf16/fp16 rows and returns x's dtype
+    if fastflow_layout:  # the kernel takes fp32/bf16/fp16 rows and returns x's dtype
         if x.dtype in cpu_gemv.ACTIVATION_DTYPES:
             return torch.ops.fastflow_cpu.int4_gemv(x, packed, scale_zeros, bias, group_size)
         return torch.ops.fastflow_cpu.int4_gemv(x.float(), packed, scale_zeros, bias, group_size).to(x.dtype)

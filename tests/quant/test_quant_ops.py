@@ -80,7 +80,7 @@ def test_prompt_rows_widen_the_weight_and_match_the_reference(scheme, shape):
     from ffl_backend.kernels import cpu_lib
 
     x, w, b = _inputs(shape, torch.bfloat16)
-    if not K._widens(x):
+    if not K._widens(x, scheme, *w.shape):
         pytest.skip("no native bf16 matrix instructions on this CPU: the row kernels serve prompts")
     if scheme == "int8":
         q, s = P.quantize_int8(w)

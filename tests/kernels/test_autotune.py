@@ -1,0 +1,71 @@
+"""The autotune cache: a miss searches and writes, a hit reads without timing, a corrupt file is set
+aside with a warning and searched again, FFL_AUTOTUNE=0 keeps the default; and the one tuned choice
+so far, the rows from which quantized linears widen their weight, lands in the cache."""
+import json
+import logging
+
+import pytest
+import torch
+
+from ffl_backend.kernels import autotune
+from ffl_backend.kernels import quant_linear as K
+
+
+@pytest.fixture
+def tuning(tmp_path, monkeypatch):
+    monkeypatch.setenv("FFL_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("FFL_AUTOTUNE", "1")
+    monkeypatch.setattr(autotune, "_memory", {})
+    return tmp_path / "autotune.json"
+
+
+def _timer(costs: dict, calls: list):
+    def measure(candidate):
+        calls.append(candidate)
+        return costs[candidate]
+    return measure
+
+
+def test_miss_searches_and_writes_then_hit_reads_without_timing(tuning, caplog):
+    calls = []
+    with caplog.at_level(logging.INFO, logger="ffl_backend"):
+        assert autotune.choose("tile", (64, 32), [1, 2, 4], _timer({1: 3.0, 2: 1.0, 4: 2.0}, calls)) == 2
+    assert calls == [1, 2, 4] and "tile[64, 32] -> 2" in caplog.text
+    saved = json.loads(tuning.read_text())
+    assert saved == {autotune.machine_key(): {"tile[64, 32]": 2}}
+    autotune._memory.clear()  # a new process: read from the file
+    assert autotune.choose("tile", (64, 32), [1, 2, 4], _timer({}, calls)) == 2 and calls == [1, 2, 4]
+    assert autotune.choose("tile", (64, 16), [1, 2, 4], _timer({1: 1.0, 2: 5.0, 4: 5.0}, calls)) == 1
+
+
+def test_corrupt_file_is_set_aside_and_searched_again(tuning, caplog):
+    tuning.write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="ffl_backend"):
+        assert autotune.choose("tile", (8,), [1, 2], _timer({1: 2.0, 2: 1.0}, [])) == 2
+    assert "unreadable" in caplog.text and tuning.with_suffix(".corrupt").exists()
+    assert json.loads(tuning.read_text())[autotune.machine_key()] == {"tile[8]": 2}
+
+
+def test_disabled_keeps_the_default_without_timing(tuning, monkeypatch):
+    monkeypatch.setenv("FFL_AUTOTUNE", "0")
+    calls = []
+    assert autotune.choose("tile", (8,), [4, 2], _timer({4: 9.0, 2: 1.0}, calls)) == 4
+    assert calls == [] and not tuning.exists()
+
+
+def test_a_cached_choice_that_is_no_longer_a_candidate_is_searched_again(tuning):
+    tuning.write_text(json.dumps({autotune.machine_key(): {"tile[8]": 7}}))
+    assert autotune.choose("tile", (8,), [1, 2], _timer({1: 2.0, 2: 1.0}, [])) == 2
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_widen_threshold_is_searched_once_per_shape(tuning, kind):
+    from ffl_backend.kernels import cpu_lib
+
+    if kind == "int4" and not cpu_lib.load():
+        pytest.skip(f"CPU kernels not built: {cpu_lib.load_error()}")
+    rows = K.widen_min_rows(kind, 64, 128)
+    assert rows in K.WIDEN_ROW_CHOICES
+    assert json.loads(tuning.read_text())[autotune.machine_key()] == {f"widen_min_rows:{kind}[64, 128]": rows}
+    x = torch.randn(max(8, min(rows, 256)), 128, dtype=torch.bfloat16)
+    assert K._widens(x, kind, 64, 128) == (rows <= x.shape[0] and K.native_bf16_matmul())
