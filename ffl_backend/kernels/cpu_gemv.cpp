@@ -100,6 +100,31 @@ float row_dot(const float* x, const W* w, int64_t K) {
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
+
+// M rows of x (row stride K) times one weight row: the weights load once for all M rows (a small
+// batch's decode step reads each weight once, as batch 1 does); out[m * stride] = x_m . w.
+template <int M, typename W>
+void rows_dot(const float* x, const W* w, int64_t K, float* out, int64_t stride) {
+  const char* near = reinterpret_cast<const char*>(w + kNearPrefetchElements);
+  const char* far = reinterpret_cast<const char*>(w + kFarPrefetchElements);
+  __m512 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 16 <= K; k += 16) {
+    if ((k * static_cast<int64_t>(sizeof(W))) % 64 == 0) {
+      _mm_prefetch(near + k * sizeof(W), _MM_HINT_T0);
+      _mm_prefetch(far + k * sizeof(W), _MM_HINT_T1);
+    }
+    const __m512 wv = load16(w + k, 0xFFFF);
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + k), wv, acc[m]);
+  }
+  if (k < K) {
+    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1);
+    const __m512 wv = load16(w + k, mask);
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x + m * K + k), wv, acc[m]);
+  }
+  for (int m = 0; m < M; ++m) out[m * stride] = _mm512_reduce_add_ps(acc[m]);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 // The same loop at 8 lanes (AVX2 machines, AMD Zen 2/3 among them).
 inline __m256 load8(const int8_t* p) {
@@ -133,6 +158,29 @@ float row_dot(const float* x, const W* w, int64_t K) {
   for (; k < K; ++k) tail += x[k] * static_cast<float>(w[k]);
   return sum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3))) + tail;
 }
+
+// M rows of x (row stride K) times one weight row, the weights loaded once (see the AVX-512 path).
+template <int M, typename W>
+void rows_dot(const float* x, const W* w, int64_t K, float* out, int64_t stride) {
+  const char* near = reinterpret_cast<const char*>(w + kNearPrefetchElements);
+  const char* far = reinterpret_cast<const char*>(w + kFarPrefetchElements);
+  __m256 acc[M];
+  for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    if ((k * static_cast<int64_t>(sizeof(W))) % 64 == 0) {
+      _mm_prefetch(near + k * sizeof(W), _MM_HINT_T0);
+      _mm_prefetch(far + k * sizeof(W), _MM_HINT_T1);
+    }
+    const __m256 wv = load8(w + k);
+    for (int m = 0; m < M; ++m) acc[m] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + k), wv, acc[m]);
+  }
+  for (int m = 0; m < M; ++m) {
+    float tail = 0.f;
+    for (int64_t j = k; j < K; ++j) tail += x[m * K + j] * static_cast<float>(w[j]);
+    out[m * stride] = sum8(acc[m]) + tail;
+  }
+}
 #else
 inline float to_float(int8_t v) { return static_cast<float>(v); }
 inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -149,7 +197,28 @@ float row_dot(const float* x, const W* w, int64_t K) {
   }
   return acc;
 }
+
+template <int M, typename W>
+void rows_dot(const float* x, const W* w, int64_t K, float* out, int64_t stride) {
+  for (int m = 0; m < M; ++m) out[m * stride] = row_dot(x + m * K, w, K);
+}
 #endif
+
+// Up to kMaxRows rows of x times one weight row, into out[m * stride].
+constexpr int64_t kMaxRows = 8;  // cpu_gemv.py's MAX_ROWS
+template <typename W>
+void dot_rows(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t stride) {
+  switch (M) {
+    case 1: out[0] = row_dot(x, w, K); break;
+    case 2: rows_dot<2>(x, w, K, out, stride); break;
+    case 3: rows_dot<3>(x, w, K, out, stride); break;
+    case 4: rows_dot<4>(x, w, K, out, stride); break;
+    case 5: rows_dot<5>(x, w, K, out, stride); break;
+    case 6: rows_dot<6>(x, w, K, out, stride); break;
+    case 7: rows_dot<7>(x, w, K, out, stride); break;
+    default: rows_dot<8>(x, w, K, out, stride); break;
+  }
+}
 
 // A contiguous fp32/bf16/fp16 tensor as fp32 values.
 std::vector<float> as_floats(const at::Tensor& t) {
@@ -184,7 +253,7 @@ void check_vector(const at::Tensor& t, int64_t N, const char* name) {
 // The rows of all weights as one range [0, total): thread t streams one contiguous run of it, across
 // matrix boundaries, so siblings (q/k/v, gate/up) share one parallel region and one prefetch stream.
 template <typename W>
-void gemv_rows(const float* x, const std::vector<const W*>& weights, const std::vector<int64_t>& first_row,
+void gemv_rows(const float* x, int64_t M, const std::vector<const W*>& weights, const std::vector<int64_t>& first_row,
                int64_t K, float* y) {
   const int64_t total = first_row.back();
   const int64_t grain = std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(K, 1));
@@ -196,17 +265,17 @@ void gemv_rows(const float* x, const std::vector<const W*>& weights, const std::
     size_t m = std::upper_bound(first_row.begin(), first_row.end(), begin) - first_row.begin() - 1;
     for (int64_t r = begin; r < end; ++r) {
       while (r >= first_row[m + 1]) ++m;
-      y[r] = row_dot(x, weights[m] + (r - first_row[m]) * K, K);
+      dot_rows(x, M, weights[m] + (r - first_row[m]) * K, K, y + r, total);
     }
   }
 }
 
 template <typename W>
-void gemv_all(const float* x, const std::vector<at::Tensor>& weights, const std::vector<int64_t>& first_row,
-              int64_t K, float* y) {
+void gemv_all(const float* x, int64_t M, const std::vector<at::Tensor>& weights,
+              const std::vector<int64_t>& first_row, int64_t K, float* y) {
   std::vector<const W*> ptrs;
   for (const auto& w : weights) ptrs.push_back(w.const_data_ptr<W>());
-  gemv_rows(x, ptrs, first_row, K, y);
+  gemv_rows(x, M, ptrs, first_row, K, y);
 }
 
 // weights: one or more (N_i, K) matrices of one dtype, all multiplied by the same row x; scales and
@@ -221,7 +290,9 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights, at::TensorList scal
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
               "fastflow_cpu::gemv: x must be float32, bfloat16 or float16");
   const int64_t K = x.size(-1);
-  TORCH_CHECK(x.dim() >= 1 && x.numel() == K, "fastflow_cpu::gemv: x must hold one row, got shape ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1 && K > 0 && x.numel() % K == 0 && x.numel() / K >= 1 && x.numel() / K <= kMaxRows,
+              "fastflow_cpu::gemv: x must hold 1 to ", kMaxRows, " rows, got shape ", x.sizes());
+  const int64_t M = x.numel() / K;
   const auto wtype = weights[0].scalar_type();
   TORCH_CHECK(wtype == at::kChar || wtype == at::kBFloat16, "fastflow_cpu::gemv: weights must be int8 or bfloat16, got ", wtype);
   std::vector<int64_t> first_row{0};
@@ -238,22 +309,25 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights, at::TensorList scal
   shape.back() = first_row.back();
   if (fastflow_cpu::null_kernels()) return at::zeros(shape, x.options());
   const std::vector<float> x32 = as_floats(x);
-  std::vector<float> y32(first_row.back());
+  const int64_t total = first_row.back();
+  std::vector<float> y32(M * total);
   if (wtype == at::kChar) {
-    gemv_all<int8_t>(x32.data(), weights.vec(), first_row, K, y32.data());
+    gemv_all<int8_t>(x32.data(), M, weights.vec(), first_row, K, y32.data());
   } else {
-    gemv_all<c10::BFloat16>(x32.data(), weights.vec(), first_row, K, y32.data());
+    gemv_all<c10::BFloat16>(x32.data(), M, weights.vec(), first_row, K, y32.data());
   }
 
   for (size_t i = 0; i < weights.size(); ++i) {
     const int64_t begin = first_row[i], N = first_row[i + 1] - begin;
     if (!scales.empty()) {
       const std::vector<float> s = as_floats(scales[i]);
-      for (int64_t n = 0; n < N; ++n) y32[begin + n] *= s[n];
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) y32[m * total + begin + n] *= s[n];
     }
     if (!biases.empty()) {
       const std::vector<float> b = as_floats(biases[i]);
-      for (int64_t n = 0; n < N; ++n) y32[begin + n] += b[n];
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t n = 0; n < N; ++n) y32[m * total + begin + n] += b[n];
     }
   }
   at::Tensor out = at::empty(shape, x.options());

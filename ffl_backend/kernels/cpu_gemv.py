@@ -2,7 +2,8 @@
 
     gemv(x, [w_1..w_n], [s_1..s_n] or [], [b_1..b_n] or []) = cat([(x @ w_i.T) * s_i + b_i for each i], -1)
 
-One row x; weights int8 (weight-only quantized, `s_i` per output channel) or bf16, all of one dtype
+One to MAX_ROWS rows of x (a small batch's decode step: each weight row is loaded once for all of
+them); weights int8 (weight-only quantized, `s_i` per output channel) or bf16, all of one dtype
 and width; products and sums in fp32, one rounding to x's dtype. Siblings that read the same x
 (q/k/v, gate/up) go in one call: one parallel loop streams all their rows. The decode_gemv pattern
 family calls it for single-row linears (option `cpu_gemv`) instead of Inductor's loop, because it
@@ -18,6 +19,7 @@ from torch import Tensor
 from ..numerics import acc_dtype
 
 WEIGHT_DTYPES = (torch.int8, torch.bfloat16)
+MAX_ROWS = 8  # cpu_gemv.cpp's kMaxRows
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -37,12 +39,12 @@ def gemv_ref(x: Tensor, weights: Sequence[Tensor], scales: Sequence[Tensor] = ()
 
 
 def takes(x, weight, *vectors) -> bool:
-    """Whether the op accepts these operands (real or fake tensors; None vectors are absent): one row
-    of a supported dtype, a contiguous (N, K) int8/bf16 weight, floating (N,) scale/bias vectors, and
+    """Whether the op accepts these operands (real or fake tensors; None vectors are absent): 1 to
+    MAX_ROWS rows of a supported dtype, a contiguous (N, K) int8/bf16 weight, floating (N,) scale/bias vectors, and
     no gradient to compute -- the op has no backward. The one definition both callers use."""
     if not isinstance(x, Tensor) or not isinstance(weight, Tensor) or x.dim() < 1:
         return False
-    if x.dtype not in ACTIVATION_DTYPES or x.numel() != x.shape[-1]:
+    if x.dtype not in ACTIVATION_DTYPES or x.shape[-1] == 0 or not 1 <= x.numel() // x.shape[-1] <= MAX_ROWS:
         return False
     if weight.dtype not in WEIGHT_DTYPES or weight.dim() != 2 or not weight.is_contiguous():
         return False

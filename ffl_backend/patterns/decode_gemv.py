@@ -19,8 +19,9 @@ with the same products and the same fp32 accumulation -- lossless. Other fp32 we
 already run fastflow's int4 kernel (kernels/quant_linear.py), or torch's packed one where it cannot
 be built (nibble unpacking does not vectorize in Inductor's C++).
 
-Matched only where the activation has exactly one row and a static shape (multi-row prefill and
-batched decode keep the GEMM libraries), on CPU, and only when Inductor compiles the graph: run
+Matched only where the activation has a static shape and exactly one row -- up to
+cpu_gemv.MAX_ROWS rows (a small batch's decode step) where the kernel is used; prefill and larger
+batches keep the GEMM libraries -- on CPU, and only when Inductor compiles the graph: run
 eagerly the expression would materialize an (N, K) product.
 
 Numerics (kernel and loops alike): products and the sum in fp32, as oneDNN and MKL accumulate, one
@@ -77,14 +78,18 @@ def is_bf16_exact(w: Tensor) -> bool:
     return w.dtype == torch.float32 and not bool((w.detach().view(torch.int32) & 0xFFFF).any())
 
 
-def _single_cpu_row(x) -> bool:
-    """Whether x is a CPU tensor of static shape with one row of features."""
+def _static_cpu_rows(x) -> Optional[int]:
+    """How many rows of features x has, if it is a CPU tensor of static shape (else None)."""
     xv = U.value(x)
-    if not isinstance(xv, torch.Tensor) or xv.device.type != "cpu" or xv.dim() < 1:
-        return False
+    if not isinstance(xv, torch.Tensor) or xv.device.type != "cpu" or xv.dim() < 1 or xv.shape[-1] == 0:
+        return None
     if any(not isinstance(s, int) for s in xv.shape):  # a dynamic shape: the row count may change
-        return False
-    return xv.numel() == xv.shape[-1]
+        return None
+    return xv.numel() // xv.shape[-1]
+
+
+def _single_cpu_row(x) -> bool:
+    return _static_cpu_rows(x) == 1
 
 
 def _compact_weight(gm: fx.GraphModule, w_node, w: Tensor):
@@ -141,20 +146,26 @@ def _kernel_fits(gm: fx.GraphModule, x, weight, *vectors) -> bool:
 
 def _rewrite_int8(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) -> bool:
     x, qweight, scale, bias = node.args[0], node.args[1], node.args[2], U.arg(node, 3, "bias")
-    qv = U.value(qweight)
-    if not _single_cpu_row(x) or not isinstance(qv, torch.Tensor) or qv.device.type != "cpu":
+    qv, rows = U.value(qweight), _static_cpu_rows(x)
+    if rows is None or not isinstance(qv, torch.Tensor) or qv.device.type != "cpu":
         return False
-    if use_kernel(ctx.options) and _kernel_fits(gm, x, qweight, scale, bias):
+    if use_kernel(ctx.options) and _kernel_fits(gm, x, qweight, scale, bias):  # up to cpu_gemv.MAX_ROWS rows
         kernel_gemvs.append(KernelGemv(node, x, qweight, torch.int8, qv.shape[0], scale, bias))
-    else:
+    elif rows == 1:
         _replace(gm, node, int8_linear_rowwise, (x, qweight, scale, bias))
+    else:
+        return False
     return True
 
 
 def _reads_as_bf16(ctx, x, w: Optional[Tensor]) -> bool:
-    """Whether this family takes the single-row linear x @ w.T and reads w as bf16: a bf16 weight,
-    or an fp32 one whose values are all bf16 (read through a bf16 copy)."""
-    if w is None or w.device.type != "cpu" or not _single_cpu_row(x) or U.dtype_of(x) != w.dtype:
+    """Whether this family takes the linear x @ w.T (one row; up to cpu_gemv.MAX_ROWS where the kernel
+    is used) and reads w as bf16: a bf16 weight, or an fp32 one whose values are all bf16 (read
+    through a bf16 copy)."""
+    rows = _static_cpu_rows(x)
+    if w is None or w.device.type != "cpu" or rows is None or U.dtype_of(x) != w.dtype:
+        return False
+    if rows > 1 and not (rows <= cpu_gemv.MAX_ROWS and use_kernel(ctx.options)):
         return False
     return w.dtype == torch.bfloat16 or (
         w.dtype == torch.float32 and ctx.options.bf16_exact_weights and is_bf16_exact(w))
@@ -184,6 +195,9 @@ def _rewrite(gm: fx.GraphModule, ctx, node: fx.Node, kernel_gemvs: list) -> bool
     if use_kernel(ctx.options) and _kernel_fits(gm, x, weight_arg, b_node):
         kernel_gemvs.append(KernelGemv(node, x, weight_arg, torch.bfloat16, w.shape[0], None, b_node))
         return True  # the fp32 weight's constant (if any) is dropped once the kernel call replaced node
+    if not _single_cpu_row(x):  # several rows are the kernel's only
+        _drop_unused_constant(gm, weight_arg)
+        return False
     _replace(gm, node, linear_rowwise, (x, weight_arg, b_node))
     if weight_arg is not w_node:
         _drop_unused_constant(gm, w_node)

@@ -42,8 +42,20 @@ def _fp32_sum_tolerance(x, weights, scales, biases):
     weights without a scale make sums of ~1e3, where torch's own error is no yardstick)."""
     if x.dtype != torch.float32:
         return None
-    mags = [(x.double().abs().reshape(-1) @ w.double().abs().T).max().item() for w in weights]
+    mags = [(x.double().abs().reshape(-1, x.shape[-1]) @ w.double().abs().T).max().item() for w in weights]
     return max(1e-5, x.shape[-1] * 2.0**-24 * max(mags))
+
+
+@pytest.mark.parametrize("wdtype", [torch.int8, torch.bfloat16])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("xshape,k", [((2, 17), 17), ((4, 576), 576), ((3, 1, 65), 65), ((8, 40), 40),
+                                      ((5, 1000), 1000), ((7, 9), 9), ((6, 33), 33)])
+def test_several_rows_match_reference(wdtype, xdtype, xshape, k):
+    """A small batch's decode step: up to MAX_ROWS rows in one call, each weight row loaded once."""
+    args = _operands((48, 19), k, wdtype, xdtype, True, True, xshape)
+    out = torch.ops.fastflow_cpu.gemv(*args)
+    assert out.shape == (*xshape[:-1], 67)
+    assert_matches_reference(out, cpu_gemv.gemv_ref, args, atol=_fp32_sum_tolerance(*args), interpreted=False)
 
 
 @pytest.mark.parametrize("xshape", [(40,), (1, 40), (1, 1, 1, 40)])
@@ -76,8 +88,8 @@ def test_bad_operands_raise_clear_errors():
     x = torch.randn(1, 32)
     w = torch.randint(-5, 5, (8, 32), dtype=torch.int8)
     gemv = torch.ops.fastflow_cpu.gemv
-    with pytest.raises(RuntimeError, match="one row"):
-        gemv(torch.randn(2, 32), [w], [], [])
+    with pytest.raises(RuntimeError, match="1 to 8 rows"):
+        gemv(torch.randn(9, 32), [w], [], [])
     with pytest.raises(RuntimeError, match=r"contiguous CPU \(N, 32\)"):
         gemv(x, [w, torch.randint(-5, 5, (8, 31), dtype=torch.int8)], [], [])
     with pytest.raises(RuntimeError, match=r"contiguous CPU \(N, 32\)"):
@@ -185,19 +197,21 @@ def test_graphs_that_need_gradients_keep_the_loops():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_eager_int8_single_rows_take_the_kernel(dtype):
-    """Eager `fastflow.int8_linear` on one row runs the kernel (fp32 math: the reference's numerics);
-    several rows, and plain Inductor graphs, keep torch's int8 kernel."""
+def test_eager_int8_few_rows_take_the_kernel(dtype):
+    """Eager `fastflow.int8_linear` on up to MAX_ROWS rows runs the kernel (fp32 math: the reference's
+    numerics); more rows, and plain Inductor graphs, keep torch's int8 kernel."""
     from ffl_backend import numerics as P
     from ffl_backend.kernels.quant_linear import int8_linear_ref
 
     w, b = torch.randn(40, 96, dtype=dtype), torch.randn(40, dtype=dtype)
     q, s = P.quantize_int8(w)
     one, three = torch.randn(1, 1, 96, dtype=dtype), torch.randn(1, 3, 96, dtype=dtype)
+    many = torch.randn(cpu_gemv.MAX_ROWS + 1, 96, dtype=dtype)
     op = torch.ops.fastflow.int8_linear
-    assert _kernel_calls(lambda: op(one, q, s, b)) == 1
-    assert_matches_reference(op(one, q, s, b), int8_linear_ref, (one, q, s, b), interpreted=False)
-    assert _kernel_calls(lambda: op(three, q, s, b)) == 0
+    for x in (one, three):
+        assert _kernel_calls(lambda: op(x, q, s, b)) == 1
+        assert_matches_reference(op(x, q, s, b), int8_linear_ref, (x, q, s, b), interpreted=False)
+    assert _kernel_calls(lambda: op(many, q, s, b)) == 0
     cpu_scale = s.to(torch.bfloat16)  # what quantized modules pass (Inductor's int8pack lowering needs it)
     compiled = torch.compile(lambda x: op(x, q, s, b, cpu_scale), backend="inductor")
     compiled(one)
@@ -232,7 +246,8 @@ def test_takes_states_what_the_op_accepts():
     """`cpu_gemv.takes`, shared by decode_gemv and the eager int8 path: each refusal, one at a time."""
     x, w, s = torch.randn(1, 1, 32), torch.randint(-5, 5, (8, 32), dtype=torch.int8), torch.rand(8)
     assert cpu_gemv.takes(x, w, s, None)
-    assert not cpu_gemv.takes(torch.randn(2, 32), w, s)                       # two rows
+    assert cpu_gemv.takes(torch.randn(cpu_gemv.MAX_ROWS, 32), w, s)           # a small batch
+    assert not cpu_gemv.takes(torch.randn(cpu_gemv.MAX_ROWS + 1, 32), w, s)   # more rows
     assert not cpu_gemv.takes(x.to(torch.float64), w, s)                      # activation dtype
     assert not cpu_gemv.takes(x, torch.randn(8, 32), s)                       # fp32 weight
     assert not cpu_gemv.takes(x, torch.randint(-5, 5, (32, 8), dtype=torch.int8).T, s)  # not contiguous

@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 import ffl_backend
 from ffl_backend.generation import configure_generate
-from ffl_backend.kernels import cpu_lib, packed_linear, weight_cache
+from ffl_backend.kernels import cpu_gemv, cpu_lib, packed_linear, weight_cache
 from ffl_backend.patterns.decode_gemv import is_bf16_exact, linear_rowwise
 from tests.helpers import assert_matches_reference
 from tests.tiny_models import LAYERS, tiny_model
@@ -41,10 +41,10 @@ def test_single_row_linear_is_rewritten_and_matches_reference(dtype, exact, xsha
                              interpreted=False)
 
 
-def test_multi_row_and_inexact_fp32_and_eager_graphs_are_left_alone():
+def test_prompt_rows_and_inexact_fp32_and_eager_graphs_are_left_alone():
     lin_bf16 = _linear_model(64, 48, torch.bfloat16, True)
     with torch.no_grad():
-        _compiled(lin_bf16)(torch.randn(3, 48, dtype=torch.bfloat16))  # prefill-like: 3 rows
+        _compiled(lin_bf16)(torch.randn(cpu_gemv.MAX_ROWS + 1, 48, dtype=torch.bfloat16))  # prefill-like
         rep = ffl_backend.last_report()
         # packed where oneDNN packs bf16 on this CPU (AVX-512 or AVX-NE-CONVERT); declined, F.linear, elsewhere
         packs = packed_linear.cpu_packs(torch.bfloat16)
@@ -63,19 +63,38 @@ def test_multi_row_and_inexact_fp32_and_eager_graphs_are_left_alone():
         assert ffl_backend.last_report().matches["decode_gemv"] == 0
 
 
+@pytest.mark.parametrize("rows", [2, 4])
+def test_bf16_linear_of_a_few_rows_takes_the_kernel(rows):
+    if not cpu_lib.load():
+        pytest.skip(f"CPU GEMV kernel unavailable: {cpu_lib.load_error()}")
+    lin = _linear_model(64, 48, torch.bfloat16, True)
+    x = torch.randn(rows, 48, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out = _compiled(lin)(x)
+        assert ffl_backend.last_report().matches["decode_gemv"] == 1
+        assert_matches_reference(out, F.linear, (x, lin.weight, lin.bias), interpreted=False)
+        out = _compiled(lin, cpu_gemv="loops")(x)  # without the kernel several rows keep oneDNN
+        assert ffl_backend.last_report().matches["decode_gemv"] == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,expected", [(1, 1), (3, 0)])
-def test_int8_linear_single_row_is_rewritten_and_matches_reference(dtype, rows, expected):
+@pytest.mark.parametrize("rows,with_kernel,expected", [(1, True, 1), (3, True, 1), (8, True, 1), (9, True, 0),
+                                                       (1, False, 1), (3, False, 0)])
+def test_int8_linear_few_rows_are_rewritten_and_match_reference(dtype, rows, with_kernel, expected):
+    """One row: the kernel, or multiply + sum without it; up to cpu_gemv.MAX_ROWS rows (a small batch's
+    decode step): the kernel only; more rows keep torch's int8 kernel."""
     from ffl_backend.kernels.quant_linear import int8_linear_ref
     from ffl_backend.quant.modules import Int8Linear
     from ffl_backend.quant.schemes import QuantConfig
 
+    if with_kernel and not cpu_lib.load():
+        pytest.skip(f"CPU GEMV kernel unavailable: {cpu_lib.load_error()}")
     q = Int8Linear.from_linear(_linear_model(77, 123, dtype, True), QuantConfig("int8")).eval()
     x = torch.randn(1, rows, 123, dtype=dtype)
     with torch.no_grad():
-        out = _compiled(q)(x)
+        out = _compiled(q, cpu_gemv="auto" if with_kernel else "loops")(x)
     assert ffl_backend.last_report().matches["decode_gemv"] == expected
-    if expected:  # the multi-row graph keeps the ATen kernel, held to the reference elsewhere
+    if expected:  # the other graphs keep the ATen kernel, held to the reference elsewhere
         assert_matches_reference(out, int8_linear_ref, (x, q.qweight, q.scale, q.bias), interpreted=False)
 
 
