@@ -15,26 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
+from cpu_gemv_layers import time_passes  # a sibling script: run from the repository root as shown
 
 SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
 LAYERS = 30
 GROUP = 32
-
-
-def _time_passes(fn, calls, passes: int = 5) -> dict:
-    fn(*calls[0])
-    times = []
-    for _ in range(passes):
-        start = time.perf_counter()
-        for args in calls:
-            fn(*args)
-        times.append(time.perf_counter() - start)
-    return {"median_ms": round(statistics.median(times) * 1e3, 1), "min_ms": round(min(times) * 1e3, 1)}
 
 
 def _layers(rows: int) -> list:
@@ -102,7 +90,7 @@ def main() -> None:
     flops = 2 * args.rows * sum(n * k for n, k in SMOLLM2_LAYER) * LAYERS
     results = {}
     for name, fn in candidates().items():
-        timing = _time_passes(lambda c: fn(c), [(c,) for c in layers])
+        timing = time_passes(lambda c: fn(c), [(c,) for c in layers], passes=5)
         timing["gflops"] = round(flops / timing["median_ms"] / 1e6, 1)
         results[name] = timing
         print(f"{name:<28} {timing['median_ms']:8.1f} ms  (min {timing['min_ms']:.1f})  "

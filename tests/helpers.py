@@ -90,3 +90,22 @@ def fastflow_compiled(fn, *args, ops):
     assert len(nf.reports) == 1, [r.summary() for r in nf.reports]
     assert dict(nf.reports[0].ops) == ops, nf.reports[0].summary()
     return out
+
+
+async def stream_requests(engine, prompts, news, cancel=(), arrival_gap_s=0.0):
+    """Submit every prompt to an engine (staggered by `arrival_gap_s`), stream each, cancel those in
+    `cancel` after 3 tokens; returns [(streamed token ids, final result)] in prompt order."""
+    import asyncio
+
+    async def one(i):
+        await asyncio.sleep(arrival_gap_s * i)
+        stream = await engine.submit(prompts[i], max_new_tokens=news[i])
+        got = []
+        async for chunk in stream:
+            got.append(chunk.token_id)
+            if i in cancel and len(got) == 3:
+                stream.cancel()
+        return got, await stream.result()
+
+    return await asyncio.gather(*(one(i) for i in range(len(prompts))))
+

@@ -9,6 +9,7 @@ import torch
 
 from ffl_backend.engine import OptimizedInferenceEngine
 from tests.cuda.support import CUDA_TESTS, DEVICE
+from tests.helpers import stream_requests
 from tests.tiny_models import VOCAB, tiny_model
 
 pytestmark = CUDA_TESTS
@@ -30,21 +31,6 @@ def _references(model, prompts, news):
     return refs
 
 
-async def _run(engine, prompts, news, cancel, arrival_gap_s=0.002):
-    """Submit with staggered arrivals, stream every request, cancel those in `cancel` after 3 tokens."""
-    async def one(i):
-        await asyncio.sleep(arrival_gap_s * i)
-        stream = await engine.submit(prompts[i], max_new_tokens=news[i])
-        got = []
-        async for chunk in stream:
-            got.append(chunk.token_id)
-            if i in cancel and len(got) == 3:
-                stream.cancel()
-        return got, await stream.result()
-
-    return await asyncio.gather(*(one(i) for i in range(len(prompts))))
-
-
 def test_concurrent_requests_compiled_decode_equal_generate_without_recompiles():
     model = tiny_model("llama").to(DEVICE)
     lengths = [3 + (7 * i) % 45 for i in range(24)]
@@ -54,7 +40,7 @@ def test_concurrent_requests_compiled_decode_equal_generate_without_recompiles()
     cancel = set(range(2, 24, 5))
     engine = OptimizedInferenceEngine(model, max_batch_size=4, max_seq_len=128, block_size=16, compile="fastflow")
     try:
-        outs = asyncio.run(_run(engine, prompts, news, cancel))
+        outs = asyncio.run(stream_requests(engine, prompts, news, cancel, arrival_gap_s=0.002))
         stats = engine.stats()
         assert engine.scheduler.allocator.free == engine.num_blocks - 1  # every block came back
     finally:

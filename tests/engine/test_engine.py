@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from ffl_backend.engine import OptimizedInferenceEngine, RequestError, SamplingParams
+from tests.helpers import stream_requests
 
 from .conftest import random_prompts
 
@@ -34,19 +35,7 @@ def test_32_concurrent_with_8_cancelled_midway(llama, references):
     with make_engine(llama, max_batch_size=8) as engine:
         pool_ptrs, pool_bytes = engine.cache.data_ptrs(), engine.cache.nbytes
 
-        async def one(i):
-            stream = await engine.submit(prompts[i], max_new_tokens=news[i])
-            got = []
-            async for chunk in stream:
-                got.append(chunk.token_id)
-                if i in cancel and len(got) == 3:
-                    stream.cancel()
-            return got, await stream.result()
-
-        async def main():
-            return await asyncio.gather(*(one(i) for i in range(32)))
-
-        outs = asyncio.run(main())
+        outs = asyncio.run(stream_requests(engine, prompts, news, cancel))
         stats = engine.stats()
         assert engine.cache.data_ptrs() == pool_ptrs and engine.cache.nbytes == pool_bytes
         assert engine.scheduler.allocator.free == engine.num_blocks - 1  # every block came back
