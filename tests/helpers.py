@@ -109,3 +109,21 @@ async def stream_requests(engine, prompts, news, cancel=(), arrival_gap_s=0.0):
 
     return await asyncio.gather(*(one(i) for i in range(len(prompts))))
 
+
+def greedy_eager_then_fastflow(model, ids, new_tokens: int, **options):
+    """(eager, fastflow) greedy generations of `ids` over a static cache, with per-step logits: the
+    model run eagerly, then with its decode step compiled by fastflow (`options` for the backend)."""
+    import ffl_backend
+    from ffl_backend.generation import configure_generate
+
+    def generate():
+        return model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              output_logits=True, return_dict_in_generate=True)
+
+    configure_generate(model, backend=None)
+    eager = generate()
+    ffl_backend.clear_reports()
+    torch._dynamo.reset()
+    configure_generate(model, backend="fastflow", options={"on_error": "raise", **options})
+    return eager, generate()
+

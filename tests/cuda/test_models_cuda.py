@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import ffl_backend
-from ffl_backend.generation import configure_generate
 from tests.cuda.support import CUDA_TESTS, DEVICE, needs_sm90
+from tests.helpers import greedy_eager_then_fastflow
 from tests.patterns.test_architectures import EXPECTED_OPS
 from tests.tiny_models import ARCHS, LAYERS, VOCAB, tiny_model
 
@@ -25,20 +25,10 @@ def _prompt(length, batch=1):
     return torch.randint(3, VOCAB, (batch, length), device=DEVICE)
 
 
-def _generate(model, ids, **kw):
-    return model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True, **kw)
-
-
 def _eager_then_fastflow(model):
     """Greedy generation of one prompt over a static cache, eagerly and then compiled with fastflow."""
     ids = _prompt(9)
-    configure_generate(model, backend=None)
-    eager = _generate(model, ids)
-    ffl_backend.clear_reports()
-    torch._dynamo.reset()
-    configure_generate(model, backend="fastflow", options={"on_error": "raise"})
-    return ids, eager, _generate(model, ids)
+    return (ids, *greedy_eager_then_fastflow(model, ids, NEW_TOKENS))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

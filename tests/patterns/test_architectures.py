@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import ffl_backend
-from ffl_backend.generation import configure_generate
 from ffl_backend.kernels import cpu_lib
+from tests.helpers import greedy_eager_then_fastflow
 from tests.tiny_models import ARCHS, LAYERS, tiny_model
 
 L = LAYERS
@@ -30,20 +30,10 @@ EXPECTED_HORIZONTAL = {"llama": 2 * L, "mistral": 2 * L, "qwen2": 2 * L, "qwen3"
 NEW_TOKENS = 32
 
 
-def _generate(model, ids, **kw):
-    return model.generate(ids, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                          output_logits=True, return_dict_in_generate=True, **kw)
-
-
 def _eager_then_fastflow(model, **options):
     """Greedy generation of the same prompt eagerly, then compiled with fastflow (static cache)."""
     ids = torch.randint(3, 128, (1, 9))
-    configure_generate(model, backend=None)
-    eager = _generate(model, ids)
-    ffl_backend.clear_reports()
-    torch._dynamo.reset()
-    configure_generate(model, backend="fastflow", options={"on_error": "raise", **options})
-    return ids, eager, _generate(model, ids)
+    return (ids, *greedy_eager_then_fastflow(model, ids, NEW_TOKENS, **options))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
