@@ -249,6 +249,9 @@ def run_stage_here(args) -> int:
     out = Path(args.out)
     ctx = StageContext(args.stage, out, args.stage_budget, args.device, args.models)
     try:
+        from ffl_backend.backend import register_without_install
+
+        register_without_install()  # each stage is its own process: a source tree has no entry point
         result = _stage_fn(args.stage)(ctx)
         if isinstance(result.get("skipped"), str):  # the stage cannot run here (no GPU), and says why
             status = "skipped"

@@ -27,6 +27,12 @@ def acc_dtype(t: Tensor) -> torch.dtype:
     return torch.promote_types(t.dtype, torch.float32)
 
 
+def _ieee_div(t: Tensor, divisor: float) -> Tensor:
+    """t / divisor rounded as IEEE division on every device: CUDA divides by a Python scalar as
+    t * (1 / divisor), one ulp off at times, and the GPU kernels' scales use true division."""
+    return t / torch.tensor(divisor, dtype=t.dtype, device=t.device)
+
+
 def _stored(scale: Tensor, dtype: torch.dtype) -> Tensor:
     """Round the scale to its storage dtype, then continue in fp32/fp64 with exactly that value."""
     return scale.clamp_min(SCALE_EPS).to(dtype).to(scale.dtype).clamp_min(SCALE_EPS)
@@ -48,7 +54,7 @@ def quantize_int8(w: Tensor, scale_dtype: torch.dtype | None = None,
     rows = max(1, block_elements // max(1, w.shape[1]))
     for start in range(0, w.shape[0], rows):
         wf = w[start:start + rows].to(acc_dtype(w))
-        s = _stored(wf.abs().amax(dim=1) / INT8_MAX, out_dtype)
+        s = _stored(_ieee_div(wf.abs().amax(dim=1), INT8_MAX), out_dtype)
         q[start:start + rows] = torch.round(wf / s[:, None]).clamp_(-INT8_MAX, INT8_MAX)
         scale[start:start + rows] = s
     return q, scale
@@ -83,10 +89,10 @@ def int4_scale_zero(lo: Tensor, hi: Tensor, symmetric: bool, dtype: torch.dtype)
     returned in lo's (fp32/fp64) dtype. Shared by round-to-nearest and GPTQ, so both produce
     codes on exactly the grid that the stored scale and zero dequantize."""
     if symmetric:
-        scale = _stored(torch.maximum(-lo / 8.0, hi / 7.0), dtype)
+        scale = _stored(torch.maximum(_ieee_div(-lo, 8.0), _ieee_div(hi, 7.0)), dtype)
         return scale, torch.full_like(scale, 8.0)
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
-    scale = _stored((hi - lo) / 15.0, dtype)
+    scale = _stored(_ieee_div(hi - lo, 15.0), dtype)
     return scale, (-lo / scale).to(dtype).to(scale.dtype)
 
 
@@ -120,7 +126,7 @@ def dequantize_int4(packed: Tensor, scale: Tensor, zero: Tensor, group_size: int
 def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
     """(q float8_e4m3fn (N, K), scale (N,) fp32 = row absmax / 448)."""
     wf = w.to(acc_dtype(w))
-    scale = _stored(wf.abs().amax(dim=1) / FP8_MAX, torch.float32)
+    scale = _stored(_ieee_div(wf.abs().amax(dim=1), FP8_MAX), torch.float32)
     q = (wf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale.float()
 
@@ -141,7 +147,7 @@ def quantize_act_int8(x2d: Tensor, x_scale: Tensor | None = None) -> tuple[Tenso
     per-tensor scale. Returns (q int8 (M, K), scale (M, 1) or (1, 1) fp32)."""
     xf = x2d.float()
     if x_scale is None:
-        scale = xf.abs().amax(dim=1, keepdim=True) / INT8_MAX
+        scale = _ieee_div(xf.abs().amax(dim=1, keepdim=True), INT8_MAX)
     else:
         scale = x_scale.float().reshape(1, 1)
     q = torch.round(xf / torch.where(scale > 0, scale, 1.0)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
@@ -151,7 +157,7 @@ def quantize_act_int8(x2d: Tensor, x_scale: Tensor | None = None) -> tuple[Tenso
 def quantize_act_fp8(x2d: Tensor) -> tuple[Tensor, Tensor]:
     """Per-token e4m3 activations: (q (M, K), scale (M, 1) fp32 = row absmax / 448)."""
     xf = x2d.float()
-    scale = xf.abs().amax(dim=1, keepdim=True) / FP8_MAX
+    scale = _ieee_div(xf.abs().amax(dim=1, keepdim=True), FP8_MAX)
     q = (xf / torch.where(scale > 0, scale, 1.0)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 

@@ -134,17 +134,26 @@ if HAS_TRITON:
 
     @triton.jit
     def _w8a16_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
-                      HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL_SUMS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        # PARTIAL_SUMS (fp32 outputs): each K block's dot starts from zero and is scaled into the
+        # total, so no fp32 FMA chain is longer than BLOCK_K; one chain over all of K had 10x
+        # cuBLAS's error at K = 4096 on an H200. The multiply between the dot and the add keeps
+        # Triton from folding the add back into the dot's accumulator.
         rm, rn, x_rows, w_cols = _tile_ptrs(x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
+        col_scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             k = k0 + rk
             a = tl.load(x_rows + k[None, :], mask=(rm < M)[:, None] & (k < K)[None, :], other=0.0)
             q = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & (rn < N)[None, :], other=0)
-            acc = _dot_int_weights(a, q, acc, DOT_F32)
-        acc *= tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
+            if PARTIAL_SUMS:
+                acc += _dot_int_weights(a, q, tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_F32) * col_scale
+            else:
+                acc = _dot_int_weights(a, q, acc, DOT_F32)
+        if not PARTIAL_SUMS:
+            acc *= col_scale
         _epilogue(acc, rm, rn, M, N, bias_ptr, out_ptr, stride_om, HAS_BIAS)
 
     @triton.jit
@@ -198,7 +207,10 @@ if HAS_TRITON:
                 a = _rint(a).to(tl.int8)
             w = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
             # out_dtype named: triton 3.6 defaults it to fp32 and rejects the int32 accumulator
-            acc = tl.dot(a, w, acc, out_dtype=acc.dtype)
+            # FP8: sm_90's tensor cores accumulate fp8 products in ~14 bits, and Triton's default
+            # there (max_num_imprecise_acc 2**30) never moves them to fp32: 0.4% error at K = 1024
+            # on an H200. 32 (one wgmma's K) adds every instruction's sum into the fp32 accumulator.
+            acc = tl.dot(a, w, acc, out_dtype=acc.dtype, max_num_imprecise_acc=32 if FP8 else None)
         if A_STATIC:
             row_scale = a_scale
         else:
@@ -240,7 +252,8 @@ def int8_linear_triton(x2d: Tensor, qweight: Tensor, scale: Tensor, bias: Tensor
     """W8A16: y = x @ (qweight * scale[:, None]).T + bias, in x's dtype."""
     x2d, qweight, out = _check(x2d, qweight)
     return _gemm(_w8a16_kernel, x2d, out, bias, (x2d, qweight, scale.contiguous()),
-                 (x2d.stride(0), qweight.stride(0)), DOT_F32=_dot_f32(x2d))
+                 (x2d.stride(0), qweight.stride(0)), DOT_F32=_dot_f32(x2d),
+                 PARTIAL_SUMS=x2d.dtype == torch.float32)
 
 
 def int4_linear_triton(x2d: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int,

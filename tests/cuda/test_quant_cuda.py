@@ -10,6 +10,7 @@ from ffl_backend import numerics as N
 from ffl_backend.kernels import quant_linear as K
 from ffl_backend.kernels import triton_quant as Q
 from tests.cuda.support import CUDA_TESTS, DEVICE, DTYPES, INTERPRETED, check, needs_sm90, randn
+from tests.helpers import ATOL
 
 pytestmark = CUDA_TESTS
 
@@ -72,7 +73,11 @@ def test_fp8(dtype, m, n, k):
     _skip_big(m, n, k)
     q, w_scale = N.quantize_fp8(_weight(n, k))
     args = (randn(m, k, dtype=dtype), q, w_scale, _bias(m % 2 == 1, n, dtype))
-    check(Q.fp8_linear_triton(*args), K.fp8_linear_ref, args)
+    # sm_90 sums each wgmma's 32 fp8 products in ~14 bits before the fp32 accumulator takes them
+    # (DeepSeek-V3 report, section 3.3.2): up to 2**-9 of the largest output on top of the usual bound
+    # (before the promotion: errors of 0.006 to 0.1, benchmarks/results/gpu_check_h200_2026-12-04a).
+    hardware = 2.0**-9 * K.fp8_linear_ref(*args).abs().max().item()
+    check(Q.fp8_linear_triton(*args), K.fp8_linear_ref, args, atol=ATOL[dtype] + hardware)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
