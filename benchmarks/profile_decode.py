@@ -1,6 +1,6 @@
 """Where a SmolLM2-135M decode step goes: torch.profiler over one timed greedy generate() (batch 1,
-static cache), per-step milliseconds grouped into weight GEMVs, other compiled kernels, attention,
-the compiled graph's own Python wrapper, Dynamo's guard check and everything else (HF generate).
+static cache; --batch for more rows), per-step milliseconds grouped into weight GEMVs, other compiled
+kernels, attention, the compiled graph's own Python wrapper, Dynamo's guard check and everything else (HF generate).
 
     python benchmarks/profile_decode.py --dtype float32 --backend inductor
     python benchmarks/profile_decode.py --dtype float32 --backend fastflow [--options '{"bf16_exact_weights": false}']
@@ -39,13 +39,14 @@ def _group(name: str) -> str:
     return "other (HF generate, small ops)"
 
 
-def profile(dtype: str, backend: str, options: dict | None, new_tokens: int, quant: str = "none") -> dict:
+def profile(dtype: str, backend: str, options: dict | None, new_tokens: int, quant: str = "none",
+            batch: int = 1) -> dict:
     from ffl_backend.bench.session import load_model, prompt_ids, time_generate
     from ffl_backend.generation import configure_generate
     from ffl_backend.models import smollm2_path
 
     model, tok, _, _ = load_model({"model": str(smollm2_path()), "dtype": dtype, "quant": quant})
-    ids = prompt_ids(tok, 16)
+    ids = prompt_ids(tok, 16).repeat(batch, 1)
     opts = {**(options or {}), "inductor_config": {"cpp.enable_kernel_profile": True}}
     if backend == "inductor":
         opts = {"cpp.enable_kernel_profile": True}
@@ -60,7 +61,7 @@ def profile(dtype: str, backend: str, options: dict | None, new_tokens: int, qua
     groups: dict = {}
     for event in prof.key_averages():
         groups[_group(event.key)] = groups.get(_group(event.key), 0.0) + event.self_cpu_time_total / 1e3 / steps
-    return {"dtype": dtype, "quant": quant, "backend": backend, "options": options or {},
+    return {"dtype": dtype, "quant": quant, "backend": backend, "options": options or {}, "batch": batch,
             "decode_tok_s": round(statistics.median(rates), 1), "step_ms": round(1e3 / statistics.median(rates), 2),
             "profiled_ms_per_step": {k: round(v, 2) for k, v in sorted(groups.items(), key=lambda kv: -kv[1])}}
 
@@ -72,9 +73,10 @@ def main() -> int:
     p.add_argument("--options", type=json.loads, default=None, help="fastflow options as JSON")
     p.add_argument("--quant", default="none", help="scheme or preset (int8, int8-all, int4-all, ...)")
     p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=1, help="rows per step (the same prompt repeated)")
     p.add_argument("--out", help="JSON file to append this row to")
     args = p.parse_args()
-    row = profile(args.dtype, args.backend, args.options, args.new_tokens, args.quant)
+    row = profile(args.dtype, args.backend, args.options, args.new_tokens, args.quant, args.batch)
     report_row(row, args.out)
     return 0
 

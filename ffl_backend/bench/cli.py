@@ -41,6 +41,17 @@ def _positive(text: str) -> int:
     return value
 
 
+def _options(text: str) -> dict:
+    """One --fastflow-options value: a JSON object of backend options (checked by the backend itself)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON ({exc}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Decode benchmark: each configuration in its own process, outputs "
                 "checked against eager before speeds are reported.")
@@ -71,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warm-compile", action="store_true",
                    help="skip the second process that times compilation with warm on-disk caches")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--fastflow-options", nargs="+", type=_options, default=[None], metavar="JSON",
+                   help="backend options of the fastflow rows, one row per JSON object, e.g. "
+                        "'{}' '{\"int8_activations\": \"int16\"}' (default: the defaults)")
     return p
 
 
@@ -109,7 +123,7 @@ def check_request(args, model: str) -> str:
     from .grid import configurations
 
     todo, skipped = configurations(model, args.backends, args.dtypes, args.quant, args.batch_sizes,
-                                   args.prompt_lens)
+                                   args.prompt_lens, args.fastflow_options)
     if not todo:
         raise BenchError("every requested configuration is skipped: "
                          + "; ".join(sorted({s["reason"] for s in skipped})))
@@ -148,7 +162,8 @@ def _run(args, model: str, device: str, command: str) -> int:
     grid = run_grid(model, args.backends, args.dtypes, args.prompt_lens, args.new_tokens, args.repeats,
                     text=args.text, log=log, quants=args.quant, batches=args.batch_sizes, warmup=args.warmup,
                     warm_compile=not args.no_warm_compile, device=device, threads=args.threads,
-                    progress=not args.no_progress, schedule=args.schedule)
+                    progress=not args.no_progress, schedule=args.schedule,
+                    fastflow_variants=args.fastflow_options)
     grid["command"] = command
     paths = write_all(grid, args.out)
     print(header(grid) + "\n\n" + table(grid))

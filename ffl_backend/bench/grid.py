@@ -49,19 +49,24 @@ def skip_reason(cfg: dict) -> str | None:
     return None
 
 
-def configurations(model, backends, dtypes, quants, batches, prompt_lens, **common) -> tuple[list, list]:
+def configurations(model, backends, dtypes, quants, batches, prompt_lens, fastflow_variants=(None,),
+                   **common) -> tuple[list, list]:
     """(configurations to run, skipped ones with their reason), eager first within each group so
-    that the reference tokens exist before anything is compared with them."""
+    that the reference tokens exist before anything is compared with them. Each of
+    `fastflow_variants` (backend options, None = the defaults) makes a fastflow row of its own."""
     order = {b: i for i, b in enumerate(BACKENDS)}
     todo, skipped = [], []
     for dtype, quant, batch, plen, backend in itertools.product(
             dtypes, quants, batches, prompt_lens, sorted(backends, key=order.get)):
         cfg = {"model": str(model), "backend": backend, "dtype": dtype, "quant": quant, "batch": batch,
                "prompt_len": plen, **common}
-        if backend != "fastflow":
-            cfg["options"] = None  # fastflow's options mean nothing to the other backends
-        reason = skip_reason(cfg)
-        (skipped if reason else todo).append({**cfg, "reason": reason} if reason else cfg)
+        variants = [None]
+        if backend == "fastflow":
+            variants = [{**(cfg.get("options") or {}), **(v or {})} or None for v in fastflow_variants]
+        for options in variants:  # fastflow's options mean nothing to the other backends
+            row = {**cfg, "options": options}
+            reason = skip_reason(row)
+            (skipped if reason else todo).append({**row, "reason": reason} if reason else row)
     return todo, skipped
 
 
@@ -71,7 +76,8 @@ def label(cfg: dict) -> str:
     backend = cfg["backend"]
     if backend == "llamacpp" and llamacpp.gguf_type(cfg):
         backend += f"({llamacpp.gguf_type(cfg)})"
-    return f"{cfg['dtype']}{quant} {backend} b{cfg['batch']} p{cfg['prompt_len']}"
+    variant = "".join(f" {k}={v}" for k, v in (cfg.get("options") or {}).items() if k != "mode")
+    return f"{cfg['dtype']}{quant} {backend}{variant} b{cfg['batch']} p{cfg['prompt_len']}"
 
 
 def run_isolated(cfg: dict, warm_compile: bool = True) -> dict:
@@ -233,7 +239,7 @@ class Progress:
 
 def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=128, repeats=3,
              text=None, options=None, log=print, *, quants=("none",), batches=(1,), warmup=1, warm_compile=True,
-             device="cpu", threads=None, progress=True, schedule="interleaved") -> dict:
+             device="cpu", threads=None, progress=True, schedule="interleaved", fastflow_variants=(None,)) -> dict:
     """Run every configuration of the grid, each in its own process; `prompt_len` is one length or
     several. `schedule`: "interleaved" (all processes alive, timed round robin) or "sequential" (one
     process at a time). Returns {"environment", "bandwidth", "settings", "results", "skipped"}."""
@@ -244,8 +250,8 @@ def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new
     prompt_lens = [prompt_len] if isinstance(prompt_len, int) else list(prompt_len)
     settings = {"new_tokens": new_tokens, "repeats": repeats, "warmup": warmup, "text": text, "device": device,
                 "threads": threads}
-    todo, skipped = configurations(model, backends, dtypes, quants, batches, prompt_lens, options=options,
-                                   **settings)
+    todo, skipped = configurations(model, backends, dtypes, quants, batches, prompt_lens, fastflow_variants,
+                                   options=options, **settings)
     by_reason: dict[str, list] = {}
     for cfg in skipped:
         by_reason.setdefault(cfg["reason"], []).append(label(cfg))

@@ -53,8 +53,11 @@ namespace {
 // 22 -> 28 GB/s with the same distances in elements.
 constexpr int64_t kNearPrefetchElements = 4 * 576;
 constexpr int64_t kFarPrefetchElements = 32 * 576;
-// Below this many weight elements one thread does the whole GEMV: waking the others costs more.
-constexpr int64_t kMinParallelElements = 1 << 15;
+using fastflow_cpu::as_floats;
+using fastflow_cpu::check_vector;
+using fastflow_cpu::kMaxRows;
+using fastflow_cpu::kMinParallelElements;
+using fastflow_cpu::store_floats;
 
 #if defined(__AVX2__)
 // 8 bf16 as fp32 (bf16 is the high half of an fp32): the AVX2 gemv and int4 paths both read them
@@ -205,7 +208,6 @@ void rows_dot(const float* x, const W* w, int64_t K, float* out, int64_t stride)
 #endif
 
 // Up to kMaxRows rows of x times one weight row, into out[m * stride].
-constexpr int64_t kMaxRows = 8;  // cpu_gemv.py's MAX_ROWS
 template <typename W>
 void dot_rows(const float* x, int64_t M, const W* w, int64_t K, float* out, int64_t stride) {
   switch (M) {
@@ -220,62 +222,14 @@ void dot_rows(const float* x, int64_t M, const W* w, int64_t K, float* out, int6
   }
 }
 
-// A contiguous fp32/bf16/fp16 tensor as fp32 values.
-std::vector<float> as_floats(const at::Tensor& t) {
-  const at::Tensor c = t.contiguous();
-  const int64_t n = c.numel();
-  std::vector<float> out(n);
-  switch (c.scalar_type()) {
-    case at::kFloat: std::copy_n(c.const_data_ptr<float>(), n, out.begin()); break;
-    case at::kBFloat16: std::copy_n(c.const_data_ptr<c10::BFloat16>(), n, out.begin()); break;
-    case at::kHalf: std::copy_n(c.const_data_ptr<c10::Half>(), n, out.begin()); break;
-    default: TORCH_CHECK(false, "fastflow_cpu::gemv: unsupported dtype ", c.scalar_type());
-  }
-  return out;
-}
-
-// fp32 values into a contiguous fp32/bf16/fp16 tensor (one rounding).
-void store_floats(const std::vector<float>& v, at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kFloat: std::copy(v.begin(), v.end(), t.mutable_data_ptr<float>()); break;
-    case at::kBFloat16: std::copy(v.begin(), v.end(), t.mutable_data_ptr<c10::BFloat16>()); break;
-    case at::kHalf: std::copy(v.begin(), v.end(), t.mutable_data_ptr<c10::Half>()); break;
-    default: TORCH_CHECK(false, "fastflow_cpu::gemv: unsupported dtype ", t.scalar_type());
-  }
-}
-
-void check_vector(const at::Tensor& t, int64_t N, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.dim() == 1 && t.size(0) == N && t.is_contiguous(),
-              "fastflow_cpu::gemv: each ", name, " must be a contiguous CPU vector of its weight's ", N, " rows");
-  TORCH_CHECK(t.is_floating_point(), "fastflow_cpu::gemv: ", name, " must be floating point");
-}
-
-// The rows of all weights as one range [0, total): thread t streams one contiguous run of it, across
-// matrix boundaries, so siblings (q/k/v, gate/up) share one parallel region and one prefetch stream.
-template <typename W>
-void gemv_rows(const float* x, int64_t M, const std::vector<const W*>& weights, const std::vector<int64_t>& first_row,
-               int64_t K, float* y) {
-  const int64_t total = first_row.back();
-  const int64_t grain = std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(K, 1));
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), (total + grain - 1) / grain));
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t begin = total * t / nt, end = total * (t + 1) / nt;
-    size_t m = std::upper_bound(first_row.begin(), first_row.end(), begin) - first_row.begin() - 1;
-    for (int64_t r = begin; r < end; ++r) {
-      while (r >= first_row[m + 1]) ++m;
-      dot_rows(x, M, weights[m] + (r - first_row[m]) * K, K, y + r, total);
-    }
-  }
-}
-
 template <typename W>
 void gemv_all(const float* x, int64_t M, const std::vector<at::Tensor>& weights,
               const std::vector<int64_t>& first_row, int64_t K, float* y) {
   std::vector<const W*> ptrs;
   for (const auto& w : weights) ptrs.push_back(w.const_data_ptr<W>());
-  gemv_rows(x, M, ptrs, first_row, K, y);
+  fastflow_cpu::for_each_row(first_row, K, at::get_num_threads(), [&](size_t i, int64_t local, int64_t r) {
+    dot_rows(x, M, ptrs[i] + local * K, K, y + r, first_row.back());
+  });
 }
 
 // weights: one or more (N_i, K) matrices of one dtype, all multiplied by the same row x; scales and
@@ -283,53 +237,21 @@ void gemv_all(const float* x, int64_t M, const std::vector<at::Tensor>& weights,
 // dim (shaped like x with sum N_i features); callers slice it. One tensor rather than a list:
 // Inductor's cpp_wrapper mishandles a custom op's one-element Tensor[] result (torch 2.13: segfault).
 at::Tensor gemv(const at::Tensor& x, at::TensorList weights, at::TensorList scales, at::TensorList biases) {
-  TORCH_CHECK(!weights.empty(), "fastflow_cpu::gemv: no weights");
-  TORCH_CHECK(scales.empty() || scales.size() == weights.size(), "fastflow_cpu::gemv: one scale per weight, or none");
-  TORCH_CHECK(biases.empty() || biases.size() == weights.size(), "fastflow_cpu::gemv: one bias per weight, or none");
-  TORCH_CHECK(x.device().is_cpu(), "fastflow_cpu::gemv: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
-              "fastflow_cpu::gemv: x must be float32, bfloat16 or float16");
-  const int64_t K = x.size(-1);
-  TORCH_CHECK(x.dim() >= 1 && K > 0 && x.numel() % K == 0 && x.numel() / K >= 1 && x.numel() / K <= kMaxRows,
-              "fastflow_cpu::gemv: x must hold 1 to ", kMaxRows, " rows, got shape ", x.sizes());
-  const int64_t M = x.numel() / K;
-  const auto wtype = weights[0].scalar_type();
-  TORCH_CHECK(wtype == at::kChar || wtype == at::kBFloat16, "fastflow_cpu::gemv: weights must be int8 or bfloat16, got ", wtype);
-  std::vector<int64_t> first_row{0};
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const at::Tensor& w = weights[i];
-    TORCH_CHECK(w.device().is_cpu() && w.dim() == 2 && w.is_contiguous() && w.size(1) == K && w.scalar_type() == wtype,
-                "fastflow_cpu::gemv: weights must be contiguous CPU (N, ", K, ") matrices of one dtype");
-    if (!scales.empty()) check_vector(scales[i], w.size(0), "scale");
-    if (!biases.empty()) check_vector(biases[i], w.size(0), "bias");
-    first_row.push_back(first_row.back() + w.size(0));
-  }
-
+  const std::vector<int64_t> first_row =
+      fastflow_cpu::gemv_first_rows("fastflow_cpu::gemv", x, weights, scales, biases, {at::kChar, at::kBFloat16},
+                                    "int8 or bfloat16");
+  const int64_t K = x.size(-1), M = x.numel() / K, total = first_row.back();
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = first_row.back();
+  shape.back() = total;
   if (fastflow_cpu::null_kernels()) return at::zeros(shape, x.options());
   const std::vector<float> x32 = as_floats(x);
-  const int64_t total = first_row.back();
   std::vector<float> y32(M * total);
-  if (wtype == at::kChar) {
+  if (weights[0].scalar_type() == at::kChar) {
     gemv_all<int8_t>(x32.data(), M, weights.vec(), first_row, K, y32.data());
   } else {
     gemv_all<c10::BFloat16>(x32.data(), M, weights.vec(), first_row, K, y32.data());
   }
-
-  for (size_t i = 0; i < weights.size(); ++i) {
-    const int64_t begin = first_row[i], N = first_row[i + 1] - begin;
-    if (!scales.empty()) {
-      const std::vector<float> s = as_floats(scales[i]);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) y32[m * total + begin + n] *= s[n];
-    }
-    if (!biases.empty()) {
-      const std::vector<float> b = as_floats(biases[i]);
-      for (int64_t m = 0; m < M; ++m)
-        for (int64_t n = 0; n < N; ++n) y32[m * total + begin + n] += b[n];
-    }
-  }
+  fastflow_cpu::apply_scales_biases(y32, M, first_row, scales, biases);
   at::Tensor out = at::empty(shape, x.options());
   store_floats(y32, out);
   return out;
@@ -577,7 +499,7 @@ at::Tensor int4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Te
   TORCH_CHECK(scale_zeros.scalar_type() == at::kBFloat16 && scale_zeros.is_contiguous() &&
                   scale_zeros.sizes() == at::IntArrayRef({blocks, K / G, 2, kInt4Rows}),
               "fastflow_cpu::int4_gemv: scale_zeros must be a contiguous (N/16, K/G, 2, 16) bf16 tensor");
-  if (bias) check_vector(*bias, N, "bias");
+  if (bias) check_vector(*bias, N, "fastflow_cpu::int4_gemv", "bias");
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = N;
   if (fastflow_cpu::null_kernels()) return at::zeros(shape, x.options());

@@ -8,6 +8,11 @@ and width; products and sums in fp32, one rounding to x's dtype. Siblings that r
 (q/k/v, gate/up) go in one call: one parallel loop streams all their rows. The decode_gemv pattern
 family calls it for single-row linears (option `cpu_gemv`) instead of Inductor's loop, because it
 prefetches ahead (cpu_gemv.cpp says why; benchmarks/results/cpu_gemv_ab_cpu.json has the A/B).
+
+`torch.ops.fastflow_cpu.gemv_q16` takes the same operands with int8 weights and computes with integer
+dot products (cpu_gemv_q16.cpp): each row of x quantized once per call to int16 with one scale,
+`quantize_rows_int16`, then exact integer sums; its reference is `gemv_q16_ref`, equal bit for bit.
+Which of the two the decode_gemv family calls is the option `int8_activations`.
 """
 from __future__ import annotations
 
@@ -35,6 +40,37 @@ def gemv_ref(x: Tensor, weights: Sequence[Tensor], scales: Sequence[Tensor] = ()
         if biases:
             y = y + biases[i].to(acc)
         outs.append(y.to(x.dtype))
+    return torch.cat(outs, -1)
+
+
+INT16_MAX = 32767.0
+
+
+def quantize_rows_int16(x: Tensor) -> tuple[Tensor, Tensor]:
+    """gemv_q16's activation quantization: per row q = round_half_even(x * (32767 / max|x|)) as int64,
+    step = max|x| / 32767, both in fp32 as the kernel computes them (a zero row: q = 0, step = 0)."""
+    xf = x.reshape(-1, x.shape[-1]).float()
+    largest = xf.abs().amax(dim=1, keepdim=True)
+    nonzero = largest > 0
+    inv = torch.where(nonzero, torch.tensor(INT16_MAX) / torch.where(nonzero, largest, 1.0), 0.0)
+    q = torch.round(xf * inv).clamp_(-INT16_MAX, INT16_MAX).to(torch.int64)
+    step = torch.where(nonzero, largest / torch.tensor(INT16_MAX), 0.0)
+    return q, step
+
+
+def gemv_q16_ref(x: Tensor, weights: Sequence[Tensor], scales: Sequence[Tensor] = (),
+                 biases: Sequence[Tensor] = ()) -> Tensor:
+    """Pure-torch reference of gemv_q16: exact integer sums of the int16 rows and int8 weights, then
+    in fp32 sum * step, * scale, + bias, one rounding to x's dtype -- the kernel's operations in its order."""
+    q, step = quantize_rows_int16(x)
+    outs = []
+    for i, w in enumerate(weights):
+        y = (q @ w.to(torch.int64).T).float() * step
+        if scales:
+            y = y * scales[i].float()
+        if biases:
+            y = y + biases[i].float()
+        outs.append(y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0]))
     return torch.cat(outs, -1)
 
 

@@ -1,6 +1,7 @@
 """The `fastflow_cpu` C++ library: its CPU kernels, built on first use and loaded as torch ops.
 
     gemv, int4_gemv     decode GEMVs (cpu_gemv.cpp; the ops' references: cpu_gemv.py, int4_layout.py)
+    gemv_q16            the int8 decode GEMV over int16-quantized activations (cpu_gemv_q16.cpp; cpu_gemv.py)
     int4_widen          an int4_gemv weight widened to bf16, for prompt GEMMs (cpu_widen.cpp; int4_layout.py)
     decode_attention    a few query rows over a static cache (cpu_attention.cpp; attention/reference.py)
     argmax              the greedy token (cpu_argmax.cpp)
@@ -34,8 +35,8 @@ from .int4_layout import INT4_ROWS
 logger = logging.getLogger(__name__)
 
 # cpu_kernels.h is what the sources share.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_attention.cpp", "cpu_argmax.cpp",
-                                                          "cpu_widen.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_gemv_q16.cpp", "cpu_attention.cpp",
+                                                          "cpu_argmax.cpp", "cpu_widen.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 OP_NAMESPACE = "fastflow_cpu"
 
@@ -122,6 +123,7 @@ def _try_load() -> bool:
             _build(target)
         torch.ops.load_library(str(target))
         torch.library.register_fake(f"{OP_NAMESPACE}::gemv")(_fake_gemv)
+        torch.library.register_fake(f"{OP_NAMESPACE}::gemv_q16")(_fake_gemv)
         torch.library.register_fake(f"{OP_NAMESPACE}::int4_gemv")(_fake_int4_gemv)
         torch.library.register_fake(f"{OP_NAMESPACE}::decode_attention")(_fake_decode_attention)
         torch.library.register_fake(f"{OP_NAMESPACE}::argmax")(_fake_argmax)

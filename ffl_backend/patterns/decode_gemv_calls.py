@@ -1,4 +1,5 @@
-"""Single-row CPU linears -> `fastflow_cpu::gemv` calls, siblings that read one row grouped into one call.
+"""Single-row CPU linears -> `fastflow_cpu::gemv` calls, siblings that read one row grouped into one call
+(int8 weights: `gemv_q16` instead where the option int8_activations is "int16").
 
 decode_gemv decides which linears take the hand-written kernel (kernels/cpu_gemv.py, fastflow_cpu::gemv) and hands them
 here as `KernelGemv` records; `emit_kernel_calls` rewrites them. Linears reading the same activation
@@ -45,14 +46,15 @@ def _hoist_constants(graph: fx.Graph, nodes: list, before: fx.Node) -> None:
             before.prepend(node)
 
 
-def _emit_group(graph: fx.Graph, members: list) -> None:
+def _emit_group(graph: fx.Graph, members: list, int8_op) -> None:
     first = members[0].node
     scales = [m.scale for m in members] if members[0].scale is not None else []
     biases = [m.bias for m in members] if members[0].bias is not None else []
     args = (members[0].x, [m.weight for m in members], scales, biases)
     _hoist_constants(graph, [*args[1], *scales, *biases], first)
     with graph.inserting_before(first):
-        call = graph.call_function(torch.ops.fastflow_cpu.gemv.default, args)
+        op = int8_op if members[0].weight_dtype == torch.int8 else torch.ops.fastflow_cpu.gemv.default
+        call = graph.call_function(op, args)
         items, start = [], 0
         for m in members:  # each member's output: its slice of the concatenated result
             items.append(call if len(members) == 1 else graph.call_function(torch.narrow, (call, -1, start, m.rows)))
@@ -63,11 +65,14 @@ def _emit_group(graph: fx.Graph, members: list) -> None:
     U.erase_dead(graph, [m.node for m in members])
 
 
-def emit_kernel_calls(gm: fx.GraphModule, gemvs: list) -> None:
-    """Replace `gemvs` (in graph order) by grouped kernel calls."""
+def emit_kernel_calls(gm: fx.GraphModule, gemvs: list, int8_activations: str = "float") -> None:
+    """Replace `gemvs` (in graph order) by grouped kernel calls; int8 weights call `gemv_q16` when
+    `int8_activations` (the backend option) is "int16"."""
+    ops = torch.ops.fastflow_cpu
+    int8_op = ops.gemv_q16.default if int8_activations == "int16" else ops.gemv.default
     groups = defaultdict(list)
     for g in gemvs:
         groups[_group_key(g)].append(g)
     for members in groups.values():
-        _emit_group(gm.graph, members)
+        _emit_group(gm.graph, members, int8_op)
 

@@ -1,6 +1,7 @@
-"""The CPU kernels' other instruction-set paths. cpu_gemv.cpp has an AVX-512 (VNNI) path, an AVX2 path
-and a portable one; a build for this machine (-march=native) runs only one of them, and one process
-can load only one `fastflow_cpu` library. So each other path this CPU can run is built (FFL_CPU_MARCH)
+"""The CPU kernels' other instruction-set paths. cpu_gemv.cpp and cpu_gemv_q16.cpp have AVX-512 paths
+(with VNNI where the CPU has it: x86-64-v4 builds them without), an AVX2 path and a portable one; a
+build for this machine (-march=native) runs only one of them, and one process can load only one
+`fastflow_cpu` library. So each other path this CPU can run is built (FFL_CPU_MARCH)
 and its reference-equality tests run in a process of their own."""
 import os
 import subprocess
@@ -16,9 +17,10 @@ pytestmark = pytest.mark.skipif(not cpu_lib.load(), reason=f"CPU GEMV kernel not
 
 ROOT = Path(__file__).resolve().parents[2]
 # -march level -> the CPU flags it needs (the ones the kernel's paths test for)
-LEVELS = {"x86-64": (), "x86-64-v3": ("avx2", "fma")}
-KERNEL_TESTS = [str(Path(__file__).with_name(name)) for name in ("test_cpu_gemv.py", "test_cpu_int4_gemv.py")]
-SELECTION = "matches_reference or overflow or zero_group or threads or rows_shape"
+LEVELS = {"x86-64": (), "x86-64-v3": ("avx2", "fma"), "x86-64-v4": ("avx512f", "avx512bw", "avx512vl")}
+KERNEL_TESTS = [str(Path(__file__).with_name(name)) for name in ("test_cpu_gemv.py", "test_cpu_int4_gemv.py",
+                                                                           "test_cpu_gemv_q16.py")]
+SELECTION = "matches_reference or overflow or zero_group or zero_rows or threads or rows_shape"
 
 
 def _cpu_has(flags) -> bool:
