@@ -21,12 +21,13 @@ cpu_gemv      how the decode_gemv family computes single-row CPU linears (int8 w
               streams weights faster than Inductor's loop) and falls back to "loops" with a warning
               where it cannot be built; "kernel" requires it (an error where it cannot be built);
               "loops" lets Inductor generate the multiply + sum loop.
-int8_activations  how that kernel multiplies int8 weights: "float" (default) in fp32 FMAs on the
-              activations as they are; "int16" quantizes each activation row once per call to int16
-              (one scale per row: error at most 2^-16 of the row's largest |x|, below bf16's rounding
-              for values above 1/128 of it) and sums exact integer products (`fastflow_cpu::gemv_q16`,
-              AVX512-VNNI where present): less arithmetic per weight, faster for small batches
-              (docs/performance.md has the figures).
+int8_activations  how that kernel multiplies int8 weights: "float" in fp32 FMAs on the activations
+              as they are; "int16" quantizes each activation row once per call to int16 (one scale
+              per row: error at most 2^-16 of the row's largest |x|, below bf16's rounding for values
+              above 1/128 of it) and sums exact integer products (`fastflow_cpu::gemv_q16`): less
+              arithmetic per weight, faster for small batches. "auto" (default): "int16" on CPUs with
+              AVX512-VNNI, where it was measured faster at batch 1 and 4 (docs/performance.md), else
+              "float".
 inductor_config  extra `torch._inductor.config` patches over DEFAULT_INDUCTOR_CONFIG, applied to
               this compile only, e.g. {"cpp_wrapper": True} (what mode "reduce-overhead" sets on CPU,
               docs/modes.md).
@@ -41,7 +42,7 @@ import dataclasses
 from .patterns.registry import PATTERN_FAMILIES
 
 CPU_GEMV_CHOICES = ("auto", "kernel", "loops")
-INT8_ACTIVATION_CHOICES = ("float", "int16")
+INT8_ACTIVATION_CHOICES = ("auto", "float", "int16")
 
 # Inductor settings fastflow changes by default. size_asserts: the compiled wrapper re-checks the size
 # and stride of every input on every call (hundreds of asserts per decode step); Dynamo's tensor
@@ -85,7 +86,7 @@ class BackendOptions:
     inductor: bool = True
     bf16_exact_weights: bool = True
     cpu_gemv: str = "auto"
-    int8_activations: str = "float"
+    int8_activations: str = "auto"
     inductor_config: dict = dataclasses.field(default_factory=dict)
 
     @classmethod
@@ -112,7 +113,7 @@ class BackendOptions:
             raise ValueError("fastflow: on_error must be 'fallback' or 'raise'")
         if options.get("cpu_gemv", "auto") not in CPU_GEMV_CHOICES:
             raise ValueError(f"fastflow: cpu_gemv must be one of {CPU_GEMV_CHOICES}")
-        if options.get("int8_activations", "float") not in INT8_ACTIVATION_CHOICES:
+        if options.get("int8_activations", "auto") not in INT8_ACTIVATION_CHOICES:
             raise ValueError(f"fastflow: int8_activations must be one of {INT8_ACTIVATION_CHOICES}")
         return cls(**options)
 

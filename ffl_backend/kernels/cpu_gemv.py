@@ -12,7 +12,8 @@ prefetches ahead (cpu_gemv.cpp says why; benchmarks/results/cpu_gemv_ab_cpu.json
 `torch.ops.fastflow_cpu.gemv_q16` takes the same operands with int8 weights and computes with integer
 dot products (cpu_gemv_q16.cpp): each row of x quantized once per call to int16 with one scale,
 `quantize_rows_int16`, then exact integer sums; its reference is `gemv_q16_ref`, equal bit for bit.
-Which of the two the decode_gemv family calls is the option `int8_activations`.
+Which of the two the decode_gemv family calls is the option `int8_activations` (`int8_activations`
+below resolves its "auto").
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from ..numerics import acc_dtype
+from . import cpu_lib
 
 WEIGHT_DTYPES = (torch.int8, torch.bfloat16)
 MAX_ROWS = 8  # cpu_gemv.cpp's kMaxRows
@@ -72,6 +74,17 @@ def gemv_q16_ref(x: Tensor, weights: Sequence[Tensor], scales: Sequence[Tensor] 
             y = y + biases[i].float()
         outs.append(y.to(x.dtype).reshape(*x.shape[:-1], w.shape[0]))
     return torch.cat(outs, -1)
+
+
+def int8_activations(choice: str) -> str:
+    """The option int8_activations resolved: "auto" is "int16" where the library is built for this
+    CPU and it has AVX512-VNNI (one `vpdpwssd` per 32 products; benchmarks/results/
+    bench_smollm2_int8_activations_cpu_xeon: faster at batch 1 and 4), else "float" (AVX2 machines:
+    not yet measured)."""
+    if choice != "auto":
+        return choice
+    vnni = "avx512_vnni" in cpu_lib.cpu_flags().split() and cpu_lib.target_arch() == "native"
+    return "int16" if vnni else "float"
 
 
 def takes(x, weight, *vectors) -> bool:

@@ -68,7 +68,7 @@ def _compile_command(out: Path) -> list:
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
@@ -83,7 +83,7 @@ def library_path() -> Path:
     key = hashlib.sha256()
     flags = " ".join(_compile_command(Path("out.so")))
     for part in (*(p.read_bytes() for p in SOURCES + HEADERS), torch.__version__.encode(), flags.encode(),
-                 _cpu_flags().encode(), sys.version.encode()):
+                 cpu_flags().encode(), sys.version.encode()):
         key.update(part)
     return _cache_dir() / f"cpu_gemv_{key.hexdigest()[:16]}.so"
 

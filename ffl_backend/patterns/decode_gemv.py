@@ -214,7 +214,7 @@ def decode_gemv_pass(gm: fx.GraphModule, ctx) -> int:
         elif U.fastflow_op_name(node) == "int8_linear":
             count += _rewrite_int8(gm, ctx, node, kernel_gemvs)
     replaced_weights = [U.arg(g.node, 1, "weight") for g in kernel_gemvs]
-    emit_kernel_calls(gm, kernel_gemvs, ctx.options.int8_activations)
+    emit_kernel_calls(gm, kernel_gemvs, cpu_gemv.int8_activations(ctx.options.int8_activations))
     for w_node in replaced_weights:
         _drop_unused_constant(gm, w_node)
     return count

@@ -82,7 +82,8 @@ def test_bf16_linear_of_a_few_rows_takes_the_kernel(rows):
                                                        (1, False, 1), (3, False, 0)])
 def test_int8_linear_few_rows_are_rewritten_and_match_reference(dtype, rows, with_kernel, expected):
     """One row: the kernel, or multiply + sum without it; up to cpu_gemv.MAX_ROWS rows (a small batch's
-    decode step): the kernel only; more rows keep torch's int8 kernel."""
+    decode step): the kernel only; more rows keep torch's int8 kernel. The float kernel, held to the
+    fp32 bound (int16 activations: tests/kernels/test_cpu_gemv_q16.py)."""
     from ffl_backend.kernels.quant_linear import int8_linear_ref
     from ffl_backend.quant.modules import Int8Linear
     from ffl_backend.quant.schemes import QuantConfig
@@ -92,7 +93,7 @@ def test_int8_linear_few_rows_are_rewritten_and_match_reference(dtype, rows, wit
     q = Int8Linear.from_linear(_linear_model(77, 123, dtype, True), QuantConfig("int8")).eval()
     x = torch.randn(1, rows, 123, dtype=dtype)
     with torch.no_grad():
-        out = _compiled(q, cpu_gemv="auto" if with_kernel else "loops")(x)
+        out = _compiled(q, cpu_gemv="auto" if with_kernel else "loops", int8_activations="float")(x)
     assert ffl_backend.last_report().matches["decode_gemv"] == expected
     if expected:  # the other graphs keep the ATen kernel, held to the reference elsewhere
         assert_matches_reference(out, int8_linear_ref, (x, q.qweight, q.scale, q.bias), interpreted=False)
