@@ -135,6 +135,10 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     # q/k/v and gate/up as slices of one tensor: horizontal fusion then reuses it instead of copying
     share_fused_storage(model)
     configure_generate(model, backend="fastflow", options=backend_options, max_cache_len=max_seq_len, mode=mode)
+    if next(model.parameters()).device.type == "cpu":
+        from .kernels import cpu_lib  # built and tuned now: nothing is timed while compiling
+
+        cpu_lib.load()
     generate = DecodeLoop(model, model.generate, max_seq_len) if decode_loop else model.generate
     model.generate = _checked_generate(model, generate, max_batch_size, max_seq_len)
     setattr(model, _STATE, state)

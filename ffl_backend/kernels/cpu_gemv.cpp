@@ -45,14 +45,19 @@
 
 namespace {
 
-// How far ahead of the current load to prefetch, in weight elements: near into L1, far into L2 (the
+// How far ahead of the current load to prefetch by default, in weight elements: near into L1, far into L2 (the
 // L2 tracks more outstanding misses than L1's fill buffers, so the far stream keeps more of DRAM's
 // latency hidden). Measured in C over SmolLM2-shaped int8 weights, 2 threads (GB/s; L3-resident
 // 134 MB / DRAM-bound 540 MB): no prefetch 16 / -, L1 at 8 rows of 576 only 30 / 21, L1 at 4 rows +
 // L2 at 16 rows 42 / 26, + L2 at 32 rows 47 / 26.5, + L2 at 64 rows 43 / 25. bf16 weights (268 MB):
 // 22 -> 28 GB/s with the same distances in elements.
+// These are the defaults; cpu_lib.tune_prefetch times other distances on each machine (set_prefetch).
 constexpr int64_t kNearPrefetchElements = 4 * 576;
 constexpr int64_t kFarPrefetchElements = 32 * 576;
+std::atomic<int64_t> near_prefetch_elements{kNearPrefetchElements};
+std::atomic<int64_t> far_prefetch_elements{kFarPrefetchElements};
+using fastflow_cpu::far_prefetch;
+using fastflow_cpu::near_prefetch;
 using fastflow_cpu::as_floats;
 using fastflow_cpu::check_vector;
 using fastflow_cpu::kMaxRows;
@@ -80,8 +85,8 @@ inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
 
 template <typename W>
 float row_dot(const float* x, const W* w, int64_t K) {
-  const char* near = reinterpret_cast<const char*>(w + kNearPrefetchElements);
-  const char* far = reinterpret_cast<const char*>(w + kFarPrefetchElements);
+  const char* near = reinterpret_cast<const char*>(w + near_prefetch());
+  const char* far = reinterpret_cast<const char*>(w + far_prefetch());
   __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   const __mmask16 all = 0xFFFF;
   int64_t k = 0;
@@ -108,8 +113,8 @@ float row_dot(const float* x, const W* w, int64_t K) {
 // batch's decode step reads each weight once, as batch 1 does); out[m * stride] = x_m . w.
 template <int M, typename W>
 void rows_dot(const float* x, const W* w, int64_t K, float* out, int64_t stride) {
-  const char* near = reinterpret_cast<const char*>(w + kNearPrefetchElements);
-  const char* far = reinterpret_cast<const char*>(w + kFarPrefetchElements);
+  const char* near = reinterpret_cast<const char*>(w + near_prefetch());
+  const char* far = reinterpret_cast<const char*>(w + far_prefetch());
   __m512 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
   int64_t k = 0;
@@ -143,8 +148,8 @@ inline float sum8(__m256 v) {
 
 template <typename W>
 float row_dot(const float* x, const W* w, int64_t K) {
-  const char* near = reinterpret_cast<const char*>(w + kNearPrefetchElements);
-  const char* far = reinterpret_cast<const char*>(w + kFarPrefetchElements);
+  const char* near = reinterpret_cast<const char*>(w + near_prefetch());
+  const char* far = reinterpret_cast<const char*>(w + far_prefetch());
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
@@ -165,8 +170,8 @@ float row_dot(const float* x, const W* w, int64_t K) {
 // M rows of x (row stride K) times one weight row, the weights loaded once (see the AVX-512 path).
 template <int M, typename W>
 void rows_dot(const float* x, const W* w, int64_t K, float* out, int64_t stride) {
-  const char* near = reinterpret_cast<const char*>(w + kNearPrefetchElements);
-  const char* far = reinterpret_cast<const char*>(w + kFarPrefetchElements);
+  const char* near = reinterpret_cast<const char*>(w + near_prefetch());
+  const char* far = reinterpret_cast<const char*>(w + far_prefetch());
   __m256 acc[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_ps();
   int64_t k = 0;
@@ -191,8 +196,8 @@ inline float to_float(c10::BFloat16 v) { return static_cast<float>(v); }
 // Portable path (no AVX-512): the compiler vectorizes the reduction (omp simd permits reordering).
 template <typename W>
 float row_dot(const float* x, const W* w, int64_t K) {
-  __builtin_prefetch(w + kNearPrefetchElements);
-  __builtin_prefetch(w + kFarPrefetchElements, 0, 2);
+  __builtin_prefetch(w + near_prefetch());
+  __builtin_prefetch(w + far_prefetch(), 0, 2);
   float acc = 0.f;
 #pragma omp simd reduction(+ : acc)
   for (int64_t k = 0; k < K; ++k) {
@@ -375,6 +380,7 @@ inline __m512 load16_bf16(const c10::BFloat16* p) {
 
 // 16 outputs of one row block.
 void int4_block(const uint8_t* w, const c10::BFloat16* sz, const QuantizedRow& x, int64_t K, int64_t G, float* y) {
+  const int64_t near = near_prefetch() / 2, far = far_prefetch() / 2;  // bytes: two codes each
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   const int64_t chunks = G / kInt4ChunkK;
   __m512 acc = _mm512_setzero_ps();
@@ -382,8 +388,8 @@ void int4_block(const uint8_t* w, const c10::BFloat16* sz, const QuantizedRow& x
     __m512i dot_hi = _mm512_setzero_si512(), dot_lo = _mm512_setzero_si512();
     for (int64_t c = 0; c < chunks; ++c) {
       const uint8_t* p = w + (g * chunks + c) * kInt4ChunkBytes;
-      _mm_prefetch(reinterpret_cast<const char*>(p + kNearPrefetchElements / 2), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p + kFarPrefetchElements / 2), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(p + near), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + far), _MM_HINT_T1);
       const __m512i raw = _mm512_loadu_si512(p);
       const __m512i first = _mm512_and_si512(raw, nibble);                       // k = 8c .. 8c+3
       const __m512i second = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);  // k = 8c+4 .. 8c+7
@@ -418,6 +424,7 @@ inline __m256i widen_add(__m256i sum32, __m256i pairs16) {
 }
 
 void int4_block(const uint8_t* w, const c10::BFloat16* sz, const QuantizedRow& x, int64_t K, int64_t G, float* y) {
+  const int64_t near = near_prefetch() / 2, far = far_prefetch() / 2;  // bytes: two codes each
   const __m256i nibble = _mm256_set1_epi8(0x0F);
   const int64_t chunks = G / kInt4ChunkK;
   __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
@@ -427,8 +434,8 @@ void int4_block(const uint8_t* w, const c10::BFloat16* sz, const QuantizedRow& x
       __m256i hi16[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, lo16[2] = {hi16[0], hi16[0]};
       for (int64_t c = c0; c < std::min(chunks, c0 + kInt16Chunks); ++c) {
         const uint8_t* p = w + (g * chunks + c) * kInt4ChunkBytes;
-        _mm_prefetch(reinterpret_cast<const char*>(p + kNearPrefetchElements / 2), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(p + kFarPrefetchElements / 2), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(p + near), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p + far), _MM_HINT_T1);
         const int64_t k = g * G + c * kInt4ChunkK;
         const __m256i hi_first = _mm256_set1_epi32(four_bytes(&x.hi[k]));
         const __m256i hi_second = _mm256_set1_epi32(four_bytes(&x.hi[k + 4]));
@@ -533,15 +540,24 @@ std::atomic<bool> null_kernels_on{false};
 
 bool set_null_kernels(bool on) { return null_kernels_on.exchange(on); }
 
+std::vector<int64_t> set_prefetch(int64_t near, int64_t far) {
+  TORCH_CHECK(near >= 0 && far >= 0, "fastflow_cpu::set_prefetch: distances must be >= 0");
+  return {near_prefetch_elements.exchange(near), far_prefetch_elements.exchange(far)};
+}
+
 }  // namespace
 
 bool fastflow_cpu::null_kernels() { return null_kernels_on.load(std::memory_order_relaxed); }
+int64_t fastflow_cpu::near_prefetch() { return near_prefetch_elements.load(std::memory_order_relaxed); }
+int64_t fastflow_cpu::far_prefetch() { return far_prefetch_elements.load(std::memory_order_relaxed); }
 
 TORCH_LIBRARY(fastflow_cpu, m) {
   m.def("gemv(Tensor x, Tensor[] weights, Tensor[] scales, Tensor[] biases) -> Tensor");
   m.def("int4_gemv(Tensor x, Tensor packed, Tensor scale_zeros, Tensor? bias, int group_size) -> Tensor");
   // Benchmark switch (cpu_kernels.h): returns the previous setting.
   m.def("set_null_kernels(bool on) -> bool", &set_null_kernels);
+  // Prefetch distances in weight elements (cpu_kernels.h): returns the previous [near, far].
+  m.def("set_prefetch(int near, int far) -> int[]", &set_prefetch);
 }
 
 TORCH_LIBRARY_IMPL(fastflow_cpu, CPU, m) {

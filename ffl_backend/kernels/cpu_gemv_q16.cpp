@@ -36,8 +36,6 @@ namespace {
 constexpr float kInt16Max = 32767.f;
 // |q w| <= 32767 * 128 and a lane adds two per step: 8192 values of K per lane keep |sum| < 2^31.
 constexpr int64_t kSegment = 8192;
-// Prefetch distances in weight bytes, as cpu_gemv.cpp's int8 rows (its comment has the measurements).
-constexpr int64_t kNearPrefetchBytes = 4 * 576, kFarPrefetchBytes = 32 * 576;
 
 struct Int16Rows {
   std::vector<int16_t> q;  // M rows of `stride` values; zeros past K
@@ -82,6 +80,7 @@ inline int64_t lane_sum(__m512i v) {  // 16 int32 lanes, exactly
 // latency each) no longer bounds a step.
 template <int M>
 void rows_dot(const int16_t* x, int64_t stride, const int8_t* w, int64_t K, int64_t* out, int64_t ostride) {
+  const int64_t near = fastflow_cpu::near_prefetch(), far = fastflow_cpu::far_prefetch();  // int8: bytes
   int64_t total[M] = {};
   for (int64_t k0 = 0; k0 < K; k0 += kSegment) {
     const int64_t end = std::min(K, k0 + kSegment);
@@ -89,8 +88,8 @@ void rows_dot(const int16_t* x, int64_t stride, const int8_t* w, int64_t K, int6
     for (int m = 0; m < M; ++m) acc[0][m] = acc[1][m] = _mm512_setzero_si512();
     int64_t k = k0;
     for (; k + 64 <= end; k += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + k + kNearPrefetchBytes), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w + k + kFarPrefetchBytes), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k + near), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + k + far), _MM_HINT_T1);
       const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k)));
       const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + k + 32)));
       for (int m = 0; m < M; ++m) {
@@ -118,6 +117,7 @@ inline int64_t lane_sum(__m256i v) {  // 8 int32 lanes, exactly
 // The same at 16 values per step; the last K % 16 values one at a time.
 template <int M>
 void rows_dot(const int16_t* x, int64_t stride, const int8_t* w, int64_t K, int64_t* out, int64_t ostride) {
+  const int64_t near = fastflow_cpu::near_prefetch(), far = fastflow_cpu::far_prefetch();  // int8: bytes
   int64_t total[M] = {};
   for (int64_t k0 = 0; k0 < K; k0 += kSegment) {
     const int64_t end = std::min(K, k0 + kSegment);
@@ -126,8 +126,8 @@ void rows_dot(const int16_t* x, int64_t stride, const int8_t* w, int64_t K, int6
     int64_t k = k0;
     for (; k + 16 <= end; k += 16) {
       if (k % 64 == 0) {
-        _mm_prefetch(reinterpret_cast<const char*>(w + k + kNearPrefetchBytes), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w + k + kFarPrefetchBytes), _MM_HINT_T1);
+        _mm_prefetch(reinterpret_cast<const char*>(w + k + near), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w + k + far), _MM_HINT_T1);
       }
       const __m256i wv = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k)));
       for (int m = 0; m < M; ++m) {

@@ -19,6 +19,12 @@ namespace fastflow_cpu {
 // compiled code, whichever wrapper (Python or C++) calls the ops. Off unless set_null_kernels(True).
 bool null_kernels();
 
+// How far ahead of the current load the GEMVs prefetch, in weight elements (int4: half as many
+// bytes): near into L1, far into L2. Defaults from cpu_gemv.cpp's measurements; set per machine by
+// the op set_prefetch (cpu_lib.tune_prefetch, a timed search cached by autotune.py).
+int64_t near_prefetch();
+int64_t far_prefetch();
+
 // Below this many weight elements one thread does the whole GEMV: waking the others costs more.
 constexpr int64_t kMinParallelElements = 1 << 15;
 constexpr int64_t kMaxRows = 8;  // cpu_gemv.py's MAX_ROWS

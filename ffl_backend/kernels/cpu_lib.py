@@ -23,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 
 from .. import paths
+from . import autotune
 from .int4_layout import INT4_ROWS
 
 logger = logging.getLogger(__name__)
@@ -128,11 +130,50 @@ def _try_load() -> bool:
         torch.library.register_fake(f"{OP_NAMESPACE}::decode_attention")(_fake_decode_attention)
         torch.library.register_fake(f"{OP_NAMESPACE}::argmax")(_fake_argmax)
         torch.library.register_fake(f"{OP_NAMESPACE}::int4_widen")(_fake_int4_widen)
+        tune_prefetch()
         return True
     except Exception as exc:  # no compiler, no headers, a link error: keep the pure-torch paths
         _state["error"] = str(exc)
         logger.warning("fastflow: CPU kernel library unavailable (%s); pure-torch paths instead", exc)
         return False
+
+
+# The GEMVs' prefetch distances "near/far" in weight elements (cpu_kernels.h), the built-in default first.
+PREFETCH_CHOICES = ("2304/18432", "1152/9216", "2304/9216", "4608/18432", "2304/36864", "4608/36864")
+PREFETCH_DEFAULT_MARGIN = 0.97
+
+
+def tune_prefetch(megabytes: int = 128, rounds: int = 5) -> tuple[int, int]:
+    """Set the GEMVs' prefetch distances for this machine and return them: autotune.py's cached choice,
+    else (outside torch.compile, FFL_AUTOTUNE not 0) a timed search -- every candidate streams
+    `megabytes` of int8 rows of width 576 (more than a last-level cache holds, as a decode step's
+    weights are) through fastflow_cpu::gemv, round robin over `rounds` rounds, best time each (one
+    candidate after another drifted: whichever ran last looked fastest) -- else the default.
+    Called by `load()`."""
+    times: dict = {}
+
+    def measure_all() -> None:
+        rows = max(1, megabytes * 2**20 // 576 // 8)
+        x, weights = torch.randn(1, 576), [torch.ones(rows, 576, dtype=torch.int8) for _ in range(8)]
+        for _ in range(3):  # the first passes run slower (page mappings, clocks)
+            torch.ops.fastflow_cpu.gemv(x, weights, [], [])
+        for _ in range(rounds):
+            for choice in PREFETCH_CHOICES:
+                torch.ops.fastflow_cpu.set_prefetch(*map(int, choice.split("/")))
+                start = time.perf_counter()
+                torch.ops.fastflow_cpu.gemv(x, weights, [], [])
+                times[choice] = min(times.get(choice, float("inf")), time.perf_counter() - start)
+
+    def cost(choice: str) -> float:
+        if not times:
+            measure_all()
+        # the default keeps its place unless another is more than 3% faster: closer is noise here
+        return times[choice] * (PREFETCH_DEFAULT_MARGIN if choice == PREFETCH_CHOICES[0] else 1.0)
+
+    choice = autotune.choose("cpu_gemv_prefetch", (megabytes,), PREFETCH_CHOICES, cost)
+    near, far = map(int, choice.split("/"))
+    torch.ops.fastflow_cpu.set_prefetch(near, far)
+    return near, far
 
 
 def load_error() -> Optional[str]:

@@ -1,6 +1,7 @@
 """The autotune cache: a miss searches and writes, a hit reads without timing, a corrupt file is set
-aside with a warning and searched again, FFL_AUTOTUNE=0 keeps the default; and the one tuned choice
-so far, the rows from which quantized linears widen their weight, lands in the cache."""
+aside with a warning and searched again, FFL_AUTOTUNE=0 keeps the default; the rows from which
+quantized linears widen their weight land in the cache; the CPU GEMVs' prefetch distances are
+searched, set and read back."""
 import json
 import logging
 
@@ -69,3 +70,33 @@ def test_widen_threshold_is_searched_once_per_shape(tuning, kind):
     assert json.loads(tuning.read_text())[autotune.machine_key()] == {f"widen_min_rows:{kind}[64, 128]": rows}
     x = torch.randn(max(8, min(rows, 256)), 128, dtype=torch.bfloat16)
     assert K._widens(x, kind, 64, 128) == (rows <= x.shape[0] and K.native_bf16_matmul())
+
+
+def test_prefetch_distances_are_searched_once_set_and_then_read(tuning):
+    """cpu_lib.tune_prefetch: the search times every candidate round robin, caches the choice and sets
+    it in the kernels (set_prefetch returns the distances in force); the next call reads the cache."""
+    from ffl_backend.kernels import cpu_lib
+
+    if not cpu_lib.load():
+        pytest.skip(f"CPU kernel library unavailable: {cpu_lib.load_error()}")
+    try:
+        near, far = cpu_lib.tune_prefetch(megabytes=2, rounds=2)
+        assert f"{near}/{far}" in cpu_lib.PREFETCH_CHOICES
+        assert list(torch.ops.fastflow_cpu.set_prefetch(near, far)) == [near, far]
+        saved = json.loads(tuning.read_text())[autotune.machine_key()]
+        assert saved == {"cpu_gemv_prefetch[2]": f"{near}/{far}"}
+        torch.ops.fastflow_cpu.set_prefetch(0, 0)
+        assert cpu_lib.tune_prefetch(megabytes=2) == (near, far)  # from the cache, and set again
+        assert list(torch.ops.fastflow_cpu.set_prefetch(near, far)) == [near, far]
+    finally:
+        default = cpu_lib.PREFETCH_CHOICES[0].split("/")
+        torch.ops.fastflow_cpu.set_prefetch(int(default[0]), int(default[1]))
+
+
+def test_prefetch_search_off_keeps_the_default(monkeypatch):
+    from ffl_backend.kernels import cpu_lib
+
+    if not cpu_lib.load():
+        pytest.skip(f"CPU kernel library unavailable: {cpu_lib.load_error()}")
+    monkeypatch.setenv("FFL_AUTOTUNE", "0")
+    assert f"{'/'.join(map(str, cpu_lib.tune_prefetch()))}" == cpu_lib.PREFETCH_CHOICES[0]
