@@ -65,6 +65,21 @@ def test_non_positive_count(tiny_folder):
     _one_line_error(_bench("--model", str(tiny_folder), "--repeats", "0"), "positive integer")
 
 
+def test_fastflow_options_must_be_json_objects(tiny_folder):
+    _one_line_error(_bench("--model", str(tiny_folder), "--fastflow-options", "[1]"), "expected a JSON object")
+
+
+def test_each_fastflow_options_value_is_a_row_of_its_own():
+    from ffl_backend.bench.grid import configurations, label
+
+    todo, _ = configurations("m", ["inductor", "fastflow"], ["bfloat16"], ["int8"], [1], [16],
+                             [None, {"int8_activations": "int16"}], options={"mode": "default"})
+    assert [(r["backend"], r["options"]) for r in todo] == [
+        ("inductor", None), ("fastflow", {"mode": "default"}),
+        ("fastflow", {"mode": "default", "int8_activations": "int16"})]
+    assert label(todo[2]) == "bfloat16 int8 fastflow int8_activations=int16 b1 p16"
+
+
 def test_only_skipped_configurations(tiny_folder):
     _one_line_error(_bench("--model", str(tiny_folder), "--dtypes", "float32", "--quant", "int8"),
                     "skipped", "bfloat16")

@@ -237,6 +237,22 @@ class Progress:
         self.stream.flush()
 
 
+def add_ceilings(results: list[dict], device: str) -> None:
+    """Each row's read ceiling (a plain read of a buffer of its weight bytes) and its GB/s as a % of it,
+    measured here once every worker is done: measured in the workers, while the others ran, the
+    ceilings came out low and the %s above 100."""
+    from .bandwidth import read_gbs
+
+    ceilings: dict = {}
+    for r in results:
+        if "error" in r or not r.get("weight_bytes"):
+            continue
+        if r["weight_bytes"] not in ceilings:
+            ceilings[r["weight_bytes"]] = read_gbs(r["weight_bytes"], device)
+        r["ceiling_gbs"] = ceilings[r["weight_bytes"]]
+        r["pct_of_ceiling"] = 100 * r["effective_gbs"] / r["ceiling_gbs"]
+
+
 def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=128, repeats=3,
              text=None, options=None, log=print, *, quants=("none",), batches=(1,), warmup=1, warm_compile=True,
              device="cpu", threads=None, progress=True, schedule="interleaved", fastflow_variants=(None,)) -> dict:
@@ -267,6 +283,7 @@ def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new
     for res in results:
         log(f"  {label(res):32s} " + (f"{res['decode_tok_s']:.1f} tok/s" if "error" not in res
                                       else f"ERROR {res['error']}"))
+    add_ceilings(results, device)
     agreement(results)
     speedups(results, paired=schedule == "interleaved")
     env = {**environment(), **({"llama_cpp": llamacpp.environment()} if llama_cfgs else {})}

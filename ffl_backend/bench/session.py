@@ -235,8 +235,6 @@ def _optimize(model, cfg: dict) -> None:
 def summarize_runs(cfg: dict, first: dict, runs: list[dict], nbytes: int, **counters) -> dict:
     """What every backend reports of its first and timed generates, given the bytes of weights one
     decode step reads; `counters` are the backend's own (recompiles, graphs, CUDA peak)."""
-    from .bandwidth import read_gbs
-
     rates = [r["decode_tok_s"] for r in runs]
     ttft = statistics.median(r["ttft_s"] for r in runs)
     median_generate = statistics.median(r["generate_s"] for r in runs)
@@ -249,7 +247,6 @@ def summarize_runs(cfg: dict, first: dict, runs: list[dict], nbytes: int, **coun
         "decode_tok_s_min": min(rates), "decode_tok_s_max": max(rates),
         "decode_spread_pct": 100 * (max(rates) - min(rates)) / statistics.median(rates),
         **counters,
-        # Read before the bandwidth probe below allocates its own buffer.
         "peak_rss_mb": peak_rss_mb(),
         "tokens": first["tokens"], "rows_equal": all(r["rows_equal"] for r in [first, *runs]),
         "deterministic": all(r["tokens"] == first["tokens"] for r in runs),
@@ -257,6 +254,4 @@ def summarize_runs(cfg: dict, first: dict, runs: list[dict], nbytes: int, **coun
     }
     # Every decode step reads the weights once, whatever the batch: GB/s follows steps, not tokens.
     res["effective_gbs"] = nbytes * res["decode_tok_s"] / cfg.get("batch", 1) / 1e9
-    res["ceiling_gbs"] = read_gbs(nbytes, cfg.get("device", "cpu"))
-    res["pct_of_ceiling"] = 100 * res["effective_gbs"] / res["ceiling_gbs"]
     return res
