@@ -249,12 +249,13 @@ at::Tensor gemv(const at::Tensor& x, at::TensorList weights, at::TensorList scal
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = total;
   if (fastflow_cpu::null_kernels()) return at::zeros(shape, x.options());
-  const std::vector<float> x32 = as_floats(x);
   std::vector<float> y32(M * total);
-  if (weights[0].scalar_type() == at::kChar) {
-    gemv_all<int8_t>(x32.data(), M, weights.vec(), first_row, K, y32.data());
+  if (fastflow_cpu::gemv_bf16_dot(x, weights, first_row, y32.data())) {
+    // bf16 x and weights, AVX512-BF16: products taken as they load (cpu_gemv_bf16.cpp)
+  } else if (weights[0].scalar_type() == at::kChar) {
+    gemv_all<int8_t>(as_floats(x).data(), M, weights.vec(), first_row, K, y32.data());
   } else {
-    gemv_all<c10::BFloat16>(x32.data(), M, weights.vec(), first_row, K, y32.data());
+    gemv_all<c10::BFloat16>(as_floats(x).data(), M, weights.vec(), first_row, K, y32.data());
   }
   fastflow_cpu::apply_scales_biases(y32, M, first_row, scales, biases);
   at::Tensor out = at::empty(shape, x.options());

@@ -25,6 +25,10 @@ bool null_kernels();
 int64_t near_prefetch();
 int64_t far_prefetch();
 
+// gemv's path for bf16 x and bf16 weights on AVX512-BF16 CPUs (cpu_gemv_bf16.cpp): fills y (M, total)
+// and returns true, or returns false (other dtypes, or no such instructions in this build).
+bool gemv_bf16_dot(const at::Tensor& x, at::TensorList weights, const std::vector<int64_t>& first_row, float* y);
+
 // Below this many weight elements one thread does the whole GEMV: waking the others costs more.
 constexpr int64_t kMinParallelElements = 1 << 15;
 constexpr int64_t kMaxRows = 8;  // cpu_gemv.py's MAX_ROWS
@@ -106,6 +110,26 @@ void for_each_row(const std::vector<int64_t>& first_row, int64_t K, int threads_
     for (int64_t r = begin; r < end; ++r) {
       while (r >= first_row[i + 1]) ++i;
       row(i, r - first_row[i], r);
+    }
+  }
+}
+
+// The same split, as runs of consecutive rows of one weight: run(i, local, count, r) for weight i's
+// rows [local, local + count), rows [r, r + count) of the concatenated output.
+template <typename RunFn>
+void for_each_run(const std::vector<int64_t>& first_row, int64_t K, int threads_available, RunFn&& run) {
+  const int64_t total = first_row.back();
+  const int64_t grain = std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(K, 1));
+  const int threads = static_cast<int>(std::min<int64_t>(threads_available, (total + grain - 1) / grain));
+#pragma omp parallel num_threads(threads)
+  {
+    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t begin = total * t / nt, end = total * (t + 1) / nt;
+    size_t i = std::upper_bound(first_row.begin(), first_row.end(), begin) - first_row.begin() - 1;
+    for (int64_t r = begin; r < end; ++i) {
+      const int64_t stop = std::min(end, first_row[i + 1]);
+      if (stop > r) run(i, r - first_row[i], stop - r, r);
+      r = std::max(r, stop);
     }
   }
 }

@@ -1,6 +1,7 @@
 """The `fastflow_cpu` C++ library: its CPU kernels, built on first use and loaded as torch ops.
 
-    gemv, int4_gemv     decode GEMVs (cpu_gemv.cpp; the ops' references: cpu_gemv.py, int4_layout.py)
+    gemv, int4_gemv     decode GEMVs (cpu_gemv.cpp, with cpu_gemv_bf16.cpp for bf16 x and weights on
+                        AVX512-BF16; the ops' references: cpu_gemv.py, int4_layout.py)
     gemv_q16            the int8 decode GEMV over int16-quantized activations (cpu_gemv_q16.cpp; cpu_gemv.py)
     int4_widen          an int4_gemv weight widened to bf16, for prompt GEMMs (cpu_widen.cpp; int4_layout.py)
     decode_attention    a few query rows over a static cache (cpu_attention.cpp; attention/reference.py)
@@ -37,8 +38,8 @@ from .int4_layout import INT4_ROWS
 logger = logging.getLogger(__name__)
 
 # cpu_kernels.h is what the sources share.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_gemv_q16.cpp", "cpu_attention.cpp",
-                                                          "cpu_argmax.cpp", "cpu_widen.cpp"))
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_gemv_bf16.cpp", "cpu_gemv_q16.cpp",
+                                                          "cpu_attention.cpp", "cpu_argmax.cpp", "cpu_widen.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 OP_NAMESPACE = "fastflow_cpu"
 

@@ -44,6 +44,18 @@ def test_q16_zero_rows_and_single_values():
     assert torch.equal(out, cpu_gemv.gemv_q16_ref(x, ws, scales, biases))
 
 
+@pytest.mark.parametrize("m", [1, 4, 6])
+def test_q16_largest_sums_do_not_overflow(m):
+    """Every product at its largest (|q| = 32767, w = -128) over two and a half segments of K: the
+    lane sums and the tiles' shared reductions must not wrap (5 weight rows: one tile and a single row)."""
+    k = 2 * 8192 + 4000
+    x = torch.full((m, k), -1.0)
+    ws = [torch.full((5, k), -128, dtype=torch.int8)]
+    out = torch.ops.fastflow_cpu.gemv_q16(x, ws, [], [])
+    assert torch.equal(out, cpu_gemv.gemv_q16_ref(x, ws))
+    torch.testing.assert_close(out, torch.full((m, 5), 128.0 * k), rtol=2.0**-23, atol=0)
+
+
 @pytest.mark.parametrize("k", [64, 576, 1536])
 def test_q16_error_is_within_the_activation_rounding_bound(k):
     """Each x is off by at most half a step (max|x| / 32767 / 2): the error of row m, output n is at

@@ -1,5 +1,7 @@
 """The CPU kernels' other instruction-set paths. cpu_gemv.cpp and cpu_gemv_q16.cpp have AVX-512 paths
-(with VNNI where the CPU has it: x86-64-v4 builds them without), an AVX2 path and a portable one; a
+(with VNNI where the CPU has it: x86-64-v4 builds them without; cpu_gemv_bf16.cpp only with
+AVX512-BF16, so only the native build), an AVX2 path and a portable one (cpu_attention.cpp: AVX2 and
+portable); a
 build for this machine (-march=native) runs only one of them, and one process can load only one
 `fastflow_cpu` library. So each other path this CPU can run is built (FFL_CPU_MARCH)
 and its reference-equality tests run in a process of their own."""
@@ -19,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 # -march level -> the CPU flags it needs (the ones the kernel's paths test for)
 LEVELS = {"x86-64": (), "x86-64-v3": ("avx2", "fma"), "x86-64-v4": ("avx512f", "avx512bw", "avx512vl")}
 KERNEL_TESTS = [str(Path(__file__).with_name(name)) for name in ("test_cpu_gemv.py", "test_cpu_int4_gemv.py",
-                                                                           "test_cpu_gemv_q16.py")]
+                                                                           "test_cpu_gemv_q16.py",
+                                                                           "test_cpu_decode_kernels.py")]
 SELECTION = "matches_reference or overflow or zero_group or zero_rows or threads or rows_shape"
 
 
