@@ -236,6 +236,31 @@ def test_time_generate_makes_exactly_the_tokens_asked_even_past_eos():
     assert len(processors) == 1 and len(processors[0]) == 0
 
 
+def test_left_padded_batches_hold_prompts_of_different_lengths():
+    """--left-pad: row i of b keeps its last p - i p / (2 b) tokens, masked padding before them, and
+    generate() gets the mask: row 0 (the whole prompt) decodes as it does alone."""
+    import torch
+
+    from ffl_backend.bench.grid import label
+    from ffl_backend.bench.session import batch_prompts, time_generate
+
+    class Tok:
+        pad_token_id, eos_token_id = None, 0
+
+        def __call__(self, text, return_tensors):
+            return type("Out", (), {"input_ids": torch.arange(1, 200)[None]})
+
+    cfg = {"prompt_len": 16, "batch": 4, "left_pad": True}
+    ids, mask = batch_prompts(Tok(), cfg)
+    assert mask.sum(1).tolist() == [16, 14, 12, 10] and (ids[mask == 0] == 0).all()
+    assert torch.equal(ids[1, 2:], ids[0, 2:]) and batch_prompts(Tok(), {**cfg, "left_pad": False})[1] is None
+    assert label({**cfg, "model": "m", "backend": "eager", "dtype": "float32", "quant": "none"}).endswith(
+        "b4 p16 left-padded")
+    model = tiny_model("llama")
+    run = time_generate(model, ids, 5, mask)
+    assert run["rows_equal"] is None and run["tokens"] == time_generate(model, ids[:1], 5)["tokens"]
+
+
 def test_sequential_schedule_runs_one_process_at_a_time(tiny_folder, tmp_path):
     out = tmp_path / "seq"
     proc = _bench("--model", str(tiny_folder), "--backends", "eager", "--dtypes", "float32", "--prompt-lens", "4",

@@ -64,7 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES + ("float16",))
     p.add_argument("--quant", nargs="+", default=["none"], choices=QUANTS,
                    help="weight quantization schemes (ffl_backend.quantize); float32 x scheme is skipped")
-    p.add_argument("--batch-sizes", nargs="+", type=_positive, default=[1], help="rows per generate (same prompt)")
+    p.add_argument("--batch-sizes", nargs="+", type=_positive, default=[1],
+                   help="rows per generate (same prompt, unless --left-pad)")
+    p.add_argument("--left-pad", action="store_true",
+                   help="batches of different prompt lengths: row i of b keeps the last p - i*p/(2b) prompt tokens, "
+                        "left-padded and masked")
     p.add_argument("--prompt-lens", nargs="+", type=_positive, default=[16], help="prompt tokens")
     p.add_argument("--new-tokens", type=_positive, default=64, help="tokens generated per row")
     p.add_argument("--warmup", type=_positive, default=1, help="untimed generates first (the first compiles)")
@@ -163,7 +167,7 @@ def _run(args, model: str, device: str, command: str) -> int:
                     text=args.text, log=log, quants=args.quant, batches=args.batch_sizes, warmup=args.warmup,
                     warm_compile=not args.no_warm_compile, device=device, threads=args.threads,
                     progress=not args.no_progress, schedule=args.schedule,
-                    fastflow_variants=args.fastflow_options)
+                    fastflow_variants=args.fastflow_options, left_pad=args.left_pad)
     grid["command"] = command
     paths = write_all(grid, args.out)
     print(header(grid) + "\n\n" + table(grid))

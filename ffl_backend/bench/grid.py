@@ -77,7 +77,8 @@ def label(cfg: dict) -> str:
     if backend == "llamacpp" and llamacpp.gguf_type(cfg):
         backend += f"({llamacpp.gguf_type(cfg)})"
     variant = "".join(f" {k}={v}" for k, v in (cfg.get("options") or {}).items() if k != "mode")
-    return f"{cfg['dtype']}{quant} {backend}{variant} b{cfg['batch']} p{cfg['prompt_len']}"
+    padded = " left-padded" if cfg.get("left_pad") and cfg["batch"] > 1 else ""
+    return f"{cfg['dtype']}{quant} {backend}{variant} b{cfg['batch']} p{cfg['prompt_len']}{padded}"
 
 
 def run_isolated(cfg: dict, warm_compile: bool = True) -> dict:
@@ -255,17 +256,19 @@ def add_ceilings(results: list[dict], device: str) -> None:
 
 def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=128, repeats=3,
              text=None, options=None, log=print, *, quants=("none",), batches=(1,), warmup=1, warm_compile=True,
-             device="cpu", threads=None, progress=True, schedule="interleaved", fastflow_variants=(None,)) -> dict:
+             device="cpu", threads=None, progress=True, schedule="interleaved", fastflow_variants=(None,),
+             left_pad=False) -> dict:
     """Run every configuration of the grid, each in its own process; `prompt_len` is one length or
     several. `schedule`: "interleaved" (all processes alive, timed round robin) or "sequential" (one
-    process at a time). Returns {"environment", "bandwidth", "settings", "results", "skipped"}."""
+    process at a time). `left_pad`: batches of prompts of different lengths (session.batch_prompts).
+    Returns {"environment", "bandwidth", "settings", "results", "skipped"}."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     from .bandwidth import machine_bandwidth
 
     prompt_lens = [prompt_len] if isinstance(prompt_len, int) else list(prompt_len)
     settings = {"new_tokens": new_tokens, "repeats": repeats, "warmup": warmup, "text": text, "device": device,
-                "threads": threads}
+                "threads": threads, "left_pad": left_pad}
     todo, skipped = configurations(model, backends, dtypes, quants, batches, prompt_lens, fastflow_variants,
                                    options=options, **settings)
     by_reason: dict[str, list] = {}

@@ -37,7 +37,7 @@ def _times(value) -> str:
 def _agreement_cell(r: dict) -> str:
     if "tokens_equal_eager" not in r:
         return "n/a (no eager run)"
-    return f"{r['matching_prefix']}/{len(r['tokens'])}" + ("" if r.get("rows_equal", True) else " (rows differ)")
+    return f"{r['matching_prefix']}/{len(r['tokens'])}" + ("" if r.get("rows_equal", True) is not False else " (rows differ)")
 
 
 def speedup(r: dict, baseline: str = "inductor") -> float | None:
@@ -91,7 +91,9 @@ def header(grid: dict) -> str:
              f"of this machine: {_fmt(bw.get('dram_read_gbs'), '.1f')} GB/s from DRAM (1 GiB), "
              f"{_fmt(bw.get('cache_read_gbs'), '.1f')} GB/s in cache (32 MiB); each row's % is against a "
              f"buffer of its own weight bytes. *tokens = eager*: leading greedy tokens equal to unquantized eager of "
-             f"the same dtype, batch and prompt."]
+             f"the same dtype, batch and prompt."
+             + (" Batches are left-padded: row i of b keeps its last p - i p / (2 b) prompt tokens (masked "
+                "padding before them), *tokens = eager* compares row 0." if st.get("left_pad") else "")]
     if "llama_cpp" in env:
         lines.append(_llama_cpp_note(env["llama_cpp"]))
     by_reason: dict[str, list] = {}

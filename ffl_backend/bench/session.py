@@ -42,7 +42,24 @@ def prompt_ids(tokenizer, length: int, text_path: str | None = None):
     return ids[:, :length].contiguous() if ids.shape[1] >= length else torch.cat([ids] * 2, 1)[:, :length]
 
 
-def time_generate(model, ids, new_tokens: int) -> dict:
+def batch_prompts(tokenizer, cfg: dict):
+    """(ids, attention_mask or None) of cfg's batch: the prompt repeated, or with `left_pad` (batch > 1)
+    row i keeps only its last prompt_len - i * prompt_len // (2 * batch) tokens, left-padded with the
+    pad token and masked, as a batch of prompts of different lengths arrives."""
+    import torch
+
+    ids = prompt_ids(tokenizer, cfg["prompt_len"], cfg.get("text")).repeat(cfg.get("batch", 1), 1)
+    if not cfg.get("left_pad") or ids.shape[0] == 1:
+        return ids, None
+    mask = torch.ones_like(ids)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    for i in range(ids.shape[0]):
+        cut = i * ids.shape[1] // (2 * ids.shape[0])
+        ids[i, :cut], mask[i, :cut] = pad, 0
+    return ids, mask
+
+
+def time_generate(model, ids, new_tokens: int, attention_mask=None) -> dict:
     """One greedy generate() of exactly `new_tokens` per row, timed step by step.
 
     Exactly: the end-of-sequence token does not stop it (`eos_token_id=None`, what vLLM calls
@@ -51,21 +68,23 @@ def time_generate(model, ids, new_tokens: int) -> dict:
     HF's loop): a cost of the harness, which a plain generate() does not have.
 
     decode_tok_s counts tokens of every row (batch x steps / s); tokens are row 0's new tokens and
-    rows_equal says whether every row produced them (the rows share one prompt)."""
+    rows_equal says whether every row produced them (the rows share one prompt; None with an
+    `attention_mask`: left-padded rows hold different prompts)."""
     import torch
 
     streamer = TimingStreamer()
     start = time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, max_new_tokens=new_tokens, eos_token_id=None, do_sample=False,
-                             streamer=streamer)
+        out = model.generate(ids, attention_mask=attention_mask, max_new_tokens=new_tokens, eos_token_id=None,
+                             do_sample=False, streamer=streamer)
     end = time.perf_counter()
     s = streamer.stamps  # s[0]: prompt echoed; s[1]: first new token; s[-1]: last token
     decode_s = s[-1] - s[1]
     new = out[:, ids.shape[1]:]
     return {"generate_s": end - start, "ttft_s": s[1] - start,
             "decode_tok_s": ids.shape[0] * (len(s) - 2) / decode_s if decode_s > 0 else float("nan"),
-            "tokens": new[0].tolist(), "rows_equal": bool((new == new[:1]).all())}
+            "tokens": new[0].tolist(),
+            "rows_equal": bool((new == new[:1]).all()) if attention_mask is None else None}
 
 
 def weight_bytes(model) -> int:
@@ -173,8 +192,9 @@ class Session:
         self.cfg = cfg
         self.runtime_rss_mb = import_runtime(cfg)
         self.model, tok, load_s, quantize_s = load_model(cfg)
-        ids = prompt_ids(tok, cfg["prompt_len"], cfg.get("text")).repeat(cfg.get("batch", 1), 1)
+        ids, mask = batch_prompts(tok, cfg)
         self.ids = ids.to(cfg.get("device", "cpu"))
+        self.mask = mask.to(cfg.get("device", "cpu")) if mask is not None else None
         if cfg["backend"] == "fastflow":
             _optimize(self.model, cfg)
         else:
@@ -194,7 +214,7 @@ class Session:
         self.runs = []
 
     def generate(self) -> dict:
-        return time_generate(self.model, self.ids, self.cfg["new_tokens"])
+        return time_generate(self.model, self.ids, self.cfg["new_tokens"], self.mask)
 
     def timed(self) -> dict:
         """One timed generate, kept for the summary."""
@@ -232,6 +252,12 @@ def _optimize(model, cfg: dict) -> None:
              **(cfg.get("options") or {}))
 
 
+def _rows_equal(runs: list[dict]):
+    """Whether every row of every run produced row 0's tokens; None where rows held different prompts."""
+    flags = [r.get("rows_equal") for r in runs]
+    return None if None in flags else all(flags)
+
+
 def summarize_runs(cfg: dict, first: dict, runs: list[dict], nbytes: int, **counters) -> dict:
     """What every backend reports of its first and timed generates, given the bytes of weights one
     decode step reads; `counters` are the backend's own (recompiles, graphs, CUDA peak)."""
@@ -248,7 +274,7 @@ def summarize_runs(cfg: dict, first: dict, runs: list[dict], nbytes: int, **coun
         "decode_spread_pct": 100 * (max(rates) - min(rates)) / statistics.median(rates),
         **counters,
         "peak_rss_mb": peak_rss_mb(),
-        "tokens": first["tokens"], "rows_equal": all(r["rows_equal"] for r in [first, *runs]),
+        "tokens": first["tokens"], "rows_equal": _rows_equal([first, *runs]),
         "deterministic": all(r["tokens"] == first["tokens"] for r in runs),
         "weight_bytes": nbytes,
     }
