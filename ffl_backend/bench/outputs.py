@@ -37,7 +37,8 @@ def _times(value) -> str:
 def _agreement_cell(r: dict) -> str:
     if "tokens_equal_eager" not in r:
         return "n/a (no eager run)"
-    return f"{r['matching_prefix']}/{len(r['tokens'])}" + ("" if r.get("rows_equal", True) is not False else " (rows differ)")
+    differ = r.get("rows_equal", True) is False  # None: left-padded rows hold different prompts
+    return f"{r['matching_prefix']}/{len(r['tokens'])}" + (" (rows differ)" if differ else "")
 
 
 def speedup(r: dict, baseline: str = "inductor") -> float | None:

@@ -12,10 +12,10 @@
 // cpu_gemv_layers_rows_cpu_xeon.json). AVX512-VNNI's `vpdpwssd` multiplies 32
 // int16 pairs and adds them into 16 int32 lanes in one instruction, after one widening per 32
 // weights shared by all rows. Without VNNI, `vpmaddwd` + `vpaddd` do the same (AVX-512, AVX2).
-// Lane sums stay below 2^31 for up to kSegment products per lane pair; longer rows are summed in
+// Lane sums stay below 2^31 within a segment of K (kSegment, per instruction set); longer rows are summed in
 // segments into int64. With AVX-512, weight rows go four at a time (two above four x rows): each x
 // load serves the four, and one add tree reduces their sums (4 x rows, one thread, a 1024 x 576
-// weight in L2: 48 -> 35 us). The pure-torch reference is cpu_gemv.py's `gemv_q16_ref`.
+// weight in L2: 47-52 -> 34-35 us; cpu_decode_kernels_ab_cpu_xeon.json). The pure-torch reference is cpu_gemv.py's `gemv_q16_ref`.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -36,8 +36,10 @@
 namespace {
 
 constexpr float kInt16Max = 32767.f;
-// |q w| <= 32767 * 128 and a lane adds two per step: 8192 values of K per lane keep |sum| < 2^31.
+// |q w| <= 32767 * 128 < 2^22 and a lane adds two per step, so a lane may take 512 steps: with 16
+// lanes (AVX-512) 8192 values of K keep |sum| < 2^31; with AVX2's 8 lanes, 4096.
 constexpr int64_t kSegment = 8192;
+constexpr int64_t kSegmentAvx2 = 4096;
 
 struct Int16Rows {
   std::vector<int16_t> q;  // M rows of `stride` values; zeros past K
@@ -197,8 +199,8 @@ template <int M>
 void rows_dot(const int16_t* x, int64_t stride, const int8_t* w, int64_t K, int64_t* out, int64_t ostride) {
   const int64_t near = fastflow_cpu::near_prefetch(), far = fastflow_cpu::far_prefetch();  // int8: bytes
   int64_t total[M] = {};
-  for (int64_t k0 = 0; k0 < K; k0 += kSegment) {
-    const int64_t end = std::min(K, k0 + kSegment);
+  for (int64_t k0 = 0; k0 < K; k0 += kSegmentAvx2) {
+    const int64_t end = std::min(K, k0 + kSegmentAvx2);
     __m256i acc[M];
     for (int m = 0; m < M; ++m) acc[m] = _mm256_setzero_si256();
     int64_t k = k0;
