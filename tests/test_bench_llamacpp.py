@@ -189,9 +189,61 @@ def test_cache_is_keyed_by_weights_and_type_and_never_half_written(tied, tmp_pat
 
 def test_other_architectures_are_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="model_type 'llama' only, not 'gpt2'"):
+    with pytest.raises(ValueError, match="model_type 'llama' and 'gemma3_text' only, not 'gpt2'"):
         gguf_export.write_gguf(tmp_path, "F16", tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def _tiny_gemma3(folder):
+    """A tiny random Gemma-3: six layers (the sixth global), a window of 8 that a 16-token prompt
+    overruns, one KV head, q/k norms, every norm perturbed (they are written as 1 + w)."""
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(SEED)
+    config = Gemma3TextConfig(vocab_size=128, hidden_size=64, num_hidden_layers=6, num_attention_heads=4,
+                              num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, intermediate_size=96,
+                              sliding_window=8, max_position_embeddings=256, initializer_range=INIT,
+                              bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder)
+    _bpe_tokenizer(folder)
+    return model
+
+
+def test_gemma3_names_norms_and_window(tmp_path):
+    """Gemma-3's extra norms get llama.cpp's names and 1 + w, Q/K rows keep their order, the window is
+    in the metadata; a layout llama.cpp hard-codes otherwise is refused."""
+    folder = tmp_path / "gemma3"
+    model = _tiny_gemma3(folder)
+    gguf_export.write_gguf(folder, "F16", tmp_path / "g.gguf")
+    reader, tensors = _reader(tmp_path / "g.gguf")
+    assert _field(reader, "general.architecture") == "gemma3" and _field(reader, "gemma3.attention.sliding_window") == 8
+    state = model.state_dict()
+    for hf, ours in (("self_attn.q_norm", "attn_q_norm"), ("post_feedforward_layernorm", "post_ffw_norm"),
+                     ("pre_feedforward_layernorm", "ffn_norm"), ("post_attention_layernorm", "post_attention_norm")):
+        np.testing.assert_allclose(np.asarray(tensors[f"blk.3.{ours}.weight"].data),
+                                   state[f"model.layers.3.{hf}.weight"].numpy() + 1.0, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(tensors["blk.0.attn_q.weight"].data, dtype=np.float32),
+                               state["model.layers.0.self_attn.q_proj.weight"].numpy(), rtol=1e-3, atol=1e-3)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config,
+                                                    "layer_types": ["sliding_attention", "full_attention"] * 3}))
+    assert "every sixth layer global" in gguf_export.unsupported(folder)
+
+
+@needs_llama_cpp
+def test_llama_cpp_gemma3_greedy_tokens_follow_hf_eager(tmp_path):
+    """Past the sliding window, with GQA to one KV head: F16 tokens equal HF fp32 eager's."""
+    folder = tmp_path / "gemma3"
+    model = _tiny_gemma3(folder)
+    ref, margin = _hf_greedy(model)
+    assert margin > 0.05, "near-tied logits: choose another SEED"
+    _, ctx, n_vocab = llamacpp.load(str(gguf_export.export(folder, "F16", tmp_path)), 2, 64)
+    assert llamacpp.time_generate(ctx, PROMPT, NEW, n_vocab)["tokens"] == ref
 
 
 def _hf_greedy(model):
@@ -323,6 +375,27 @@ def test_llamacpp_rows_end_to_end(tied, tmp_path):
 
 
 @needs_llama_cpp
+@pytest.mark.slow
+@needs_llama_cpp
+def test_gemma3_f16_file_decodes_like_fp32_eager(tmp_path):
+    """The second real model: llama.cpp on the F16 file written from Gemma-3-270M's bf16 folder gives
+    fp32 eager's 16 greedy tokens (prompt of 16 from the bundled text)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ffl_backend.bench.session import prompt_ids
+    from ffl_backend.models import gemma3_path
+
+    folder = gemma3_path()
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = prompt_ids(tok, 16, os.path.join(os.path.dirname(__file__), "..", "..", "shared", "data",
+                                           "prideprejudice.txt"))
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None)[0, 16:].tolist()
+    _, ctx, n_vocab = llamacpp.load(str(gguf_export.export(folder, "F16", tmp_path)), 2, 40)
+    assert llamacpp.time_generate(ctx, ids[0].tolist(), 16, n_vocab)["tokens"] == ref
+
+
 @pytest.mark.slow
 def test_smollm2_f16_file_tokenizes_and_decodes_like_bf16_eager(tmp_path):
     """The real model: llama.cpp's tokenizer, from the written vocabulary, splits text as the HF

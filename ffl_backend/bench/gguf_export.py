@@ -1,9 +1,14 @@
-"""A GGUF file llama.cpp can run, written from a Hugging Face LLaMA folder, for ffl-bench's llamacpp rows.
+"""A GGUF file llama.cpp can run, written from a Hugging Face LLaMA or Gemma-3 folder, for ffl-bench's
+llamacpp rows.
 
 The llama.cpp rows must time the very weights the torch rows load, so the file is written here from
 the folder's safetensors rather than taken from elsewhere. Written with the `gguf` package
 (gguf.GGUFWriter, gguf.quants); names, metadata keys and the Q/K row order follow what llama.cpp's
-`llama` architecture reads (src/llama-model.cpp, src/llama-vocab.cpp).
+`llama` and `gemma3` architectures read (src/llama-model.cpp, src/llama-vocab.cpp). Gemma-3 differs:
+four norms per layer (q/k norms, post-attention, pre/post-feedforward), each stored as 1 + w because
+llama.cpp multiplies by the weight where Hugging Face's Gemma multiplies by 1 + w; NeoX RoPE, so Q/K
+rows keep their order; an SPM-style vocabulary (`llama` tokenizer model); llama.cpp hard-codes its
+sliding-window layout (every sixth layer global, local RoPE base 10000), so other layouts are refused.
 
 Types (GGUF_TYPES): norms are always F32, as llama.cpp keeps them.
     F16   every matrix F16 (bfloat16/float16 rows; bf16 -> f16 rounds no SmolLM2-135M weight, checked).
@@ -29,35 +34,63 @@ from pathlib import Path
 from .. import paths
 
 GGUF_TYPES = ("F16", "Q8_0", "Q4_0")
-EXPORT_VERSION = 1  # part of the cache key: bump when what is written changes
+EXPORT_VERSION = 2  # part of the cache key: bump when what is written changes
 BLOCK = 32  # values per Q8_0/Q4_0 block
 
-# Hugging Face LLaMA parameter names -> llama.cpp's ("{i}": the layer).
-_LAYER_NAMES = {
+# Hugging Face parameter names -> llama.cpp's ("{i}": the layer), per model_type.
+_COMMON_LAYER_NAMES = {
     "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
     "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
-_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-          "lm_head.weight": "output.weight",
-          **{f"model.layers.{{i}}.{hf}.weight": f"blk.{{i}}.{ours}.weight" for hf, ours in _LAYER_NAMES.items()}}
+_LAYER_NAMES = {
+    "llama": {**_COMMON_LAYER_NAMES, "post_attention_layernorm": "ffn_norm"},
+    "gemma3_text": {**_COMMON_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+                    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                    "post_feedforward_layernorm": "post_ffw_norm"},
+}
+_NAMES = {model_type: {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                       "lm_head.weight": "output.weight",
+                       **{f"model.layers.{{i}}.{hf}.weight": f"blk.{{i}}.{ours}.weight" for hf, ours in layers.items()}}
+          for model_type, layers in _LAYER_NAMES.items()}
+_ARCH = {"llama": "LLAMA", "gemma3_text": "GEMMA3"}  # gguf.MODEL_ARCH members
 
 
 def unsupported(folder: str | os.PathLike) -> str | None:
-    """Why the folder cannot be written as a llama.cpp `llama` model, or None. Read from the raw
-    config.json and tokenizer.json, so the grid can skip such rows before loading anything."""
+    """Why the folder cannot be written as a llama.cpp model, or None. Read from the raw config.json
+    and tokenizer.json, so the grid can skip such rows before loading anything."""
     folder = Path(folder)
     config = json.loads((folder / "config.json").read_text())
-    if config.get("model_type") != "llama":
-        return f"GGUF export supports model_type 'llama' only, not {config.get('model_type')!r}"
+    model_type = config.get("model_type")
+    if model_type not in _ARCH:
+        return f"GGUF export supports model_type {' and '.join(map(repr, _ARCH))} only, not {model_type!r}"
     if config.get("attention_bias") or config.get("mlp_bias"):
-        return "GGUF export does not write LLaMA bias tensors"
+        return "GGUF export does not write bias tensors"
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        return f"GGUF export supports plain RoPE only, not rope_type {rope.get('rope_type', rope.get('type'))!r}"
+    ropes = rope.values() if model_type == "gemma3_text" else [rope]
+    if any(r.get("rope_type", r.get("type", "default")) != "default" for r in ropes):
+        return "GGUF export supports plain RoPE only"
+    if model_type == "gemma3_text" and (issue := _gemma3_layout_issue(config)):
+        return issue
     tokenizer = folder / "tokenizer.json"
     if not tokenizer.exists() or json.loads(tokenizer.read_text())["model"]["type"] != "BPE":
         return "GGUF export needs a BPE tokenizer.json (llama.cpp's gpt2 vocabulary)"
+    return None
+
+
+def _gemma3_layout_issue(config: dict) -> str | None:
+    """What llama.cpp's gemma3 would compute differently from this config, or None."""
+    types = config.get("layer_types") or []
+    every_sixth = all((t == "full_attention") == (i % 6 == 5) for i, t in enumerate(types))
+    if not types or not every_sixth or not config.get("sliding_window"):
+        return "llama.cpp's gemma3 needs every sixth layer global and the others sliding"
+    local = config["rope_parameters"].get("sliding_attention", {}).get("rope_theta")
+    if local != 10000.0:
+        return f"llama.cpp's gemma3 uses local RoPE base 10000, this model {local}"
+    if config.get("query_pre_attn_scalar", config.get("head_dim")) != config.get("head_dim"):
+        return "llama.cpp's gemma3 scales queries by head_dim ** -0.5 (query_pre_attn_scalar differs)"
+    if config.get("attn_logit_softcapping") or config.get("final_logit_softcapping"):
+        return "GGUF export does not write Gemma soft-capping"
     return None
 
 
@@ -87,7 +120,7 @@ def export(folder: str | os.PathLike, gguf_type: str, cache_dir: str | os.PathLi
 
 
 def write_gguf(folder: str | os.PathLike, gguf_type: str, path: str | os.PathLike) -> None:
-    """Write `folder` (a Hugging Face LLaMA folder) as a GGUF file of `gguf_type` at `path`."""
+    """Write `folder` (a Hugging Face LLaMA or Gemma-3 folder) as a GGUF file of `gguf_type` at `path`."""
     import gguf
     from transformers import AutoConfig
 
@@ -97,9 +130,12 @@ def write_gguf(folder: str | os.PathLike, gguf_type: str, path: str | os.PathLik
     if reason:
         raise ValueError(f"{folder}: {reason}")
     config = AutoConfig.from_pretrained(folder)  # transformers' defaults, as the torch rows see them
-    writer = gguf.GGUFWriter(os.fspath(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.LLAMA])
+    writer = gguf.GGUFWriter(os.fspath(path), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH[_ARCH[config.model_type]]])
     _add_hparams(writer, config, Path(folder).name, gguf_type)
-    _add_vocab(writer, Path(folder), config)
+    if config.model_type == "gemma3_text":
+        _add_spm_vocab(writer, Path(folder), config)
+    else:
+        _add_vocab(writer, Path(folder), config)
     for name, array in _tensors(Path(folder), config):
         data, qtype = _encode(name, array, gguf_type)
         writer.add_tensor(name, data, raw_dtype=qtype)
@@ -125,7 +161,10 @@ def _add_hparams(writer, config, name: str, gguf_type: str) -> None:
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.num_key_value_heads)
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
-    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
+    if config.model_type == "gemma3_text":
+        writer.add_sliding_window(config.sliding_window)
     writer.add_rope_dimension_count(config.head_dim)
     if config.head_dim != config.hidden_size // heads:  # llama.cpp assumes hidden / heads otherwise
         writer.add_key_length(config.head_dim)
@@ -160,6 +199,32 @@ def _add_vocab(writer, folder: Path, config) -> None:
             add(value)
 
 
+def _add_spm_vocab(writer, folder: Path, config) -> None:
+    """A SentencePiece-style vocabulary (`llama` tokenizer model: "▁" for spaces, <0xXX> byte tokens),
+    as llama.cpp's gemma3 expects; scores are all 0 (ffl-bench feeds token ids, never text)."""
+    import gguf
+
+    spec = json.loads((folder / "tokenizer.json").read_text())
+    texts = [f"[PAD{i}]" for i in range(config.vocab_size)]
+    types = [gguf.TokenType.UNUSED] * config.vocab_size
+    for text, i in spec["model"]["vocab"].items():
+        texts[i] = text
+        is_byte = len(text) == 6 and text.startswith("<0x") and text.endswith(">")
+        types[i] = gguf.TokenType.BYTE if is_byte else gguf.TokenType.NORMAL
+    for added in spec.get("added_tokens", []):
+        types[added["id"]] = gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(texts)
+    writer.add_token_scores([0.0] * config.vocab_size)
+    writer.add_token_types(types)
+    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
+                     ("pad_token_id", writer.add_pad_token_id)):
+        value = getattr(config, key, None)
+        value = value[0] if isinstance(value, list) else value
+        if isinstance(value, int):
+            add(value)
+
+
 def _pre_tokenizer(spec: dict) -> str:
     """llama.cpp's name for the tokenizer's pre-split: GPT-2's regex for a plain byte-level one, else
     llama.cpp's default (it only matters to llama.cpp's own tokenizer, which ffl-bench does not use)."""
@@ -168,18 +233,20 @@ def _pre_tokenizer(spec: dict) -> str:
 
 
 def _tensors(folder: Path, config):
-    """(llama.cpp name, float32 array) of every weight, Q and K rows reordered for llama.cpp's RoPE;
-    the output head is left out when tied to the embedding (llama.cpp then reads token_embd)."""
+    """(llama.cpp name, float32 array) of every weight: for `llama` Q and K rows reordered for llama.cpp's
+    RoPE, for Gemma-3 norms as 1 + w; the output head is left out when tied to the embedding (llama.cpp
+    then reads token_embd)."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {folder}")
-    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    gemma = config.model_type == "gemma3_text"
+    heads = {} if gemma else {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     for file in files:
         with safe_open(file, framework="pt") as fh:
             for hf_name in fh.keys():
-                name = gguf_name(hf_name)
+                name = gguf_name(hf_name, config.model_type)
                 if name is None:
                     raise ValueError(f"{file.name}: no llama.cpp name for tensor {hf_name!r}")
                 if name == "output.weight" and config.tie_word_embeddings:
@@ -188,16 +255,19 @@ def _tensors(folder: Path, config):
                 kind = name.split(".")[-2]
                 if kind in heads:
                     array = array[rotary_row_order(heads[kind], config.head_dim)]
+                if gemma and kind.endswith("norm"):
+                    array = array + 1.0
                 yield name, array
 
 
-def gguf_name(hf_name: str) -> str | None:
-    """llama.cpp's name for a Hugging Face LLaMA parameter, or None for one it has no place for."""
+def gguf_name(hf_name: str, model_type: str = "llama") -> str | None:
+    """llama.cpp's name for a Hugging Face parameter, or None for one it has no place for."""
+    names = _NAMES[model_type]
     parts = hf_name.split(".")
     if len(parts) > 3 and parts[:2] == ["model", "layers"] and parts[2].isdigit():
         template = ".".join(parts[:2] + ["{i}"] + parts[3:])
-        return _NAMES[template].format(i=parts[2]) if template in _NAMES else None
-    return _NAMES.get(hf_name)
+        return names[template].format(i=parts[2]) if template in names else None
+    return names.get(hf_name)
 
 
 def rotary_row_order(n_heads: int, head_dim: int):
