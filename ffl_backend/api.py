@@ -139,6 +139,10 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
         from .kernels import cpu_lib  # built and tuned now: nothing is timed while compiling
 
         cpu_lib.load()
+    else:
+        from .quant.modules import pretune_linears  # the Triton tiles of decode's shape, likewise
+
+        pretune_linears(model, max_batch_size)
     generate = DecodeLoop(model, model.generate, max_seq_len) if decode_loop else model.generate
     model.generate = _checked_generate(model, generate, max_batch_size, max_seq_len)
     setattr(model, _STATE, state)

@@ -1,10 +1,11 @@
 """Kernel parameters chosen per machine and per shape by a short timed search, cached on disk.
 
 `choose(name, shape, candidates, measure)` returns the candidate `measure` times fastest, searched
-once per machine (CPU model, instruction sets, torch version) and shape, then read from
-$FFL_CACHE_DIR/autotune.json. FFL_AUTOTUNE=0 turns the search off: the first candidate (the built-in
-default) serves. A file that cannot be read is set aside with a warning and the search runs again.
-Nothing is timed while torch.compile traces: a choice not yet cached is the default there.
+once per machine (CPU model, instruction sets, torch version; or a GPU, for its kernels) and shape,
+then read from $FFL_CACHE_DIR/autotune.json (`cached` reads without searching). FFL_AUTOTUNE=0 turns
+the search off: the first candidate (the built-in default) serves. A file that cannot be read is set
+aside with a warning and the search runs again. Nothing is timed while torch.compile traces: a
+choice not yet cached is the default there.
 """
 from __future__ import annotations
 
@@ -73,22 +74,43 @@ def _save(table: dict) -> None:
     os.replace(tmp, path)  # a concurrent reader sees the old file or the new one, never half of one
 
 
-def choose(name: str, shape: tuple, candidates: Sequence, measure: Callable[[object], float]):
-    """The fastest of `candidates` for `name` at `shape` on this machine (seconds from `measure`)."""
+def _match(cached, candidates: Sequence):
+    """The candidate a cached value stands for, compared as JSON (a tuple comes back from the file as a
+    list), or None."""
+    wanted = json.loads(json.dumps(cached))
+    for candidate in candidates:
+        if json.loads(json.dumps(candidate)) == wanted:
+            return candidate
+    return None
+
+
+def cached(name: str, shape: tuple, candidates: Sequence, machine: str | None = None):
+    """The cached choice for `name` at `shape` (None when not searched yet, or turned off); never times."""
+    if not enabled():
+        return None
+    with _lock:
+        found = _load().get(machine or machine_key(), {}).get(f"{name}{list(shape)}")
+    return _match(found, candidates) if found is not None else None
+
+
+def choose(name: str, shape: tuple, candidates: Sequence, measure: Callable[[object], float],
+           machine: str | None = None):
+    """The fastest of `candidates` for `name` at `shape` on this machine (seconds from `measure`);
+    `machine` keys the choice instead of this CPU (a GPU's name, for its kernels)."""
     if not enabled():
         return candidates[0]
     entry = f"{name}{list(shape)}"
     with _lock:
         table = _load()
-        machine = table.setdefault(machine_key(), {})
-        if entry in machine and machine[entry] in candidates:
-            return machine[entry]
+        per_machine = table.setdefault(machine or machine_key(), {})
+        if entry in per_machine and (hit := _match(per_machine[entry], candidates)) is not None:
+            return hit
         if torch.compiler.is_compiling():
             return candidates[0]
         times = {candidate: measure(candidate) for candidate in candidates}
         best = min(candidates, key=times.__getitem__)
-        machine[entry] = best
+        per_machine[entry] = best
         _save(table)
     logger.info("fastflow autotune: %s -> %s (%s; cached in %s)", entry, best,
-                ", ".join(f"{c}: {t * 1e3:.2f} ms" for c, t in times.items()), cache_file())
+                ", ".join(f"{c}: {t * 1e3:.3f} ms" for c, t in times.items()), cache_file())
     return best

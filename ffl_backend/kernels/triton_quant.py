@@ -16,8 +16,9 @@ Quantizing activations rounds half to even, like torch.round and torch's fp8 cas
 with `tl.div_rn` (Triton's `/` is an approximate division on the GPU), so the kernel's int8/e4m3
 activations equal the reference's bit for bit.
 
-Configs are fixed, not autotuned, so each one is compiled ahead of time (aot.py): a GEMV-shaped
-tile for decode (M <= 16: many narrow N-blocks, a long K step) and a GEMM tile for prefill.
+Tile configs: a GEMV-shaped default for decode (M <= 16: many narrow N-blocks, a long K step) and a
+GEMM default for prefill, compiled ahead of time (aot.py); on a GPU the W8A16/W4A16 launches pick
+among a few candidates per shape by timing them (triton_tuning.py).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ import inspect
 import torch
 from torch import Tensor
 
+from . import triton_tuning
 from ._triton import (
     AOT_DTYPES,
     AOT_ROW_SIZES,
@@ -41,18 +43,18 @@ from ._triton import (
     triton,
 )
 
-# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps). num_stages stays Triton's default (3), as in the AOT run.
-GEMV_CONFIG = (16, 32, 128, 4)
-GEMM_CONFIG = (64, 128, 64, 4)
-GEMV_MAX_M = 16
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps), the defaults. num_stages stays Triton's default (3), as in
+# the AOT run.
+GEMV_CONFIG = triton_tuning.GEMV_CANDIDATES[0]
+GEMM_CONFIG = triton_tuning.GEMM_CANDIDATES[0]
+GEMV_MAX_M = triton_tuning.GEMV_MAX_M
 INT4_GROUP_SIZES = (32, 64, 128)
 _X_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def gemm_config(m: int, group_size: int | None = None) -> tuple[int, int, int, int]:
-    """The tile for M rows; int4 caps BLOCK_K at the group size so one K step is in one group."""
-    bm, bn, bk, warps = GEMV_CONFIG if m <= GEMV_MAX_M else GEMM_CONFIG
-    return bm, bn, (bk if group_size is None else min(bk, group_size)), warps
+    """The default tile for M rows; int4 caps BLOCK_K at the group size so one K step is in one group."""
+    return triton_tuning.default_config(m, group_size)
 
 
 # ------------------------------------------------------------------------- Triton kernels ----
@@ -236,10 +238,15 @@ def _gemm(kernel, x2d, out, bias, head, tail, group_size=None, **flags):
     (m, k), n = x2d.shape, out.shape[1]
     if m == 0:
         return out
-    bm, bn, bk, warps = gemm_config(m, group_size)
-    grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
-    launch(kernel, grid, *head, bias if bias is not None else out, out, m, n, k, *tail, out.stride(0),
-           HAS_BIAS=bias is not None, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+
+    def run(config):
+        bm, bn, bk, warps = config
+        grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
+        launch(kernel, grid, *head, bias if bias is not None else out, out, m, n, k, *tail, out.stride(0),
+               HAS_BIAS=bias is not None, **flags, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+
+    name = kernel.fn.__name__ + "".join(f",{key}={value}" for key, value in sorted(flags.items()))
+    run(triton_tuning.launch_config(name, x2d, n, group_size, run))
     return out
 
 

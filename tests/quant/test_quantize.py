@@ -79,10 +79,11 @@ def test_int4_group_not_dividing_keeps_layer_with_warning(llama, caplog):
     assert "model.layers.0.mlp.down_proj" in model._ffl_quant["kept"]
 
 
-def test_int4_default_group_is_the_largest_that_divides(llama):
+def test_int4_default_group_is_the_smallest_that_divides(llama):
     model = ffl_backend.quantize(copy.deepcopy(llama), "int4")
     layer = model.model.layers[0]
-    assert layer.self_attn.q_proj.group_size == 64 and layer.mlp.down_proj.group_size == 32  # K 64, 96
+    assert layer.self_attn.q_proj.group_size == 32 and layer.mlp.down_proj.group_size == 32  # K 64, 96
+    assert ffl_backend.QuantConfig("int4").group_for(48) is None  # no group divides 48: kept
     assert not model._ffl_quant["kept"]
 
 
