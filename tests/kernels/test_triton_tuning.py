@@ -79,9 +79,8 @@ def test_cpu_tensors_and_autotune_off_take_the_default(tuning, monkeypatch):
 
 
 def test_pretune_runs_nothing_on_a_cpu_model():
-    from tests.tiny_models import tiny_model
-
     import ffl_backend
+    from tests.tiny_models import tiny_model
 
     model = ffl_backend.quantize(tiny_model("llama").to(torch.bfloat16), "int8")
     assert pretune_linears(model, 4) == 0
