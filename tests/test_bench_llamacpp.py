@@ -376,7 +376,6 @@ def test_llamacpp_rows_end_to_end(tied, tmp_path):
 
 @needs_llama_cpp
 @pytest.mark.slow
-@needs_llama_cpp
 def test_gemma3_f16_file_decodes_like_fp32_eager(tmp_path):
     """The second real model: llama.cpp on the F16 file written from Gemma-3-270M's bf16 folder gives
     fp32 eager's 16 greedy tokens (prompt of 16 from the bundled text)."""
@@ -396,6 +395,7 @@ def test_gemma3_f16_file_decodes_like_fp32_eager(tmp_path):
     assert llamacpp.time_generate(ctx, ids[0].tolist(), 16, n_vocab)["tokens"] == ref
 
 
+@needs_llama_cpp
 @pytest.mark.slow
 def test_smollm2_f16_file_tokenizes_and_decodes_like_bf16_eager(tmp_path):
     """The real model: llama.cpp's tokenizer, from the written vocabulary, splits text as the HF
