@@ -15,7 +15,9 @@
 // Lane sums stay below 2^31 within a segment of K (kSegment, per instruction set); longer rows are summed in
 // segments into int64. With AVX-512, weight rows go four at a time (two above four x rows): each x
 // load serves the four, and one add tree reduces their sums (4 x rows, one thread, a 1024 x 576
-// weight in L2: 47-52 -> 34-35 us; cpu_decode_kernels_ab_cpu_xeon.json). The pure-torch reference is cpu_gemv.py's `gemv_q16_ref`.
+// weight in L2: 47-52 -> 34-35 us; cpu_decode_kernels_ab_cpu_xeon.json). AVX2 tiles four weight rows
+// for one or two x rows, two for three or four (16 registers); its build on the Xeon: 1 row 35-38 ->
+// 21 us, 2 rows 47-53 -> 32-34 (cpu_decode_kernels_avx2_ab_cpu_xeon.json). The pure-torch reference is cpu_gemv.py's `gemv_q16_ref`.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -222,6 +224,74 @@ void rows_dot(const int16_t* x, int64_t stride, const int8_t* w, int64_t K, int6
   }
   for (int m = 0; m < M; ++m) out[m * ostride] = total[m];
 }
+
+// The exact sums of four accumulators as int64 [a, b, c, d], one add tree across them (see AVX-512).
+inline void lane_sums4(__m256i a, __m256i b, __m256i c, __m256i d, int64_t* out) {
+  const auto wide = [](__m256i v) {
+    return _mm256_add_epi64(_mm256_cvtepi32_epi64(_mm256_castsi256_si128(v)),
+                            _mm256_cvtepi32_epi64(_mm256_extracti128_si256(v, 1)));
+  };
+  const __m256i A = wide(a), B = wide(b), C = wide(c), D = wide(d);
+  const __m256i ab = _mm256_add_epi64(_mm256_unpacklo_epi64(A, B), _mm256_unpackhi_epi64(A, B));  // [a b | a b]
+  const __m256i cd = _mm256_add_epi64(_mm256_unpacklo_epi64(C, D), _mm256_unpackhi_epi64(C, D));  // [c d | c d]
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
+                      _mm256_add_epi64(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31)));
+}
+
+// M int16 rows of x times NT consecutive weight rows (row stride K), 16 values per step: each x load
+// serves NT weight rows and their sums share one reduction (16 registers: NT x M accumulators <= 8).
+template <int M, int NT>
+void tile_dot(const int16_t* x, int64_t stride, const int8_t* w, int64_t K, int64_t* out, int64_t ostride) {
+  static_assert(NT == 2 || NT == 4, "lane_sums4 reduces two or four weight rows");
+  const int64_t near = fastflow_cpu::near_prefetch(), far = fastflow_cpu::far_prefetch();  // int8: bytes
+  int64_t total[M][4] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += kSegmentAvx2) {
+    const int64_t end = std::min(K, k0 + kSegmentAvx2);
+    __m256i acc[NT][M];
+    for (int n = 0; n < NT; ++n)
+      for (int m = 0; m < M; ++m) acc[n][m] = _mm256_setzero_si256();
+    int64_t k = k0;
+    for (; k + 16 <= end; k += 16) {
+      __m256i wv[NT];
+      for (int n = 0; n < NT; ++n) {
+        const int8_t* row = w + n * K + k;
+        if (k % 64 == 0) {
+          _mm_prefetch(reinterpret_cast<const char*>(row + near), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(row + far), _MM_HINT_T1);
+        }
+        wv[n] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row)));
+      }
+      for (int m = 0; m < M; ++m) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + m * stride + k));
+        for (int n = 0; n < NT; ++n) acc[n][m] = _mm256_add_epi32(acc[n][m], _mm256_madd_epi16(wv[n], xv));
+      }
+    }
+    const __m256i zero = _mm256_setzero_si256();
+    for (int m = 0; m < M; ++m) {
+      int64_t part[4];
+      lane_sums4(acc[0][m], acc[1][m], NT == 4 ? acc[NT - 2][m] : zero, NT == 4 ? acc[NT - 1][m] : zero, part);
+      for (int n = 0; n < NT; ++n) {
+        total[m][n] += part[n];
+        for (int64_t j = k; j < end; ++j) total[m][n] += static_cast<int64_t>(x[m * stride + j]) * w[n * K + j];
+      }
+    }
+  }
+  for (int m = 0; m < M; ++m)
+    for (int n = 0; n < NT; ++n) out[m * ostride + n] = total[m][n];
+}
+
+// `count` consecutive weight rows: tiles of four for one or two x rows, of two for three or four,
+// one by one above (registers), and for the rows a tile leaves over.
+template <int M>
+void run_dot(const int16_t* x, int64_t stride, const int8_t* w, int64_t K, int64_t count, int64_t* out,
+             int64_t ostride) {
+  constexpr int NT = M <= 2 ? 4 : 2;
+  int64_t n = 0;
+  if constexpr (M <= 4) {
+    for (; n + NT <= count; n += NT) tile_dot<M, NT>(x, stride, w + n * K, K, out + n, ostride);
+  }
+  for (; n < count; ++n) rows_dot<M>(x, stride, w + n * K, K, out + n, ostride);
+}
 #else
 // Portable path: the same integer sums.
 template <int M>
@@ -234,7 +304,7 @@ void rows_dot(const int16_t* x, int64_t stride, const int8_t* w, int64_t K, int6
 }
 #endif
 
-#if !(defined(__AVX512F__) && defined(__AVX512BW__))
+#if !(defined(__AVX512F__) && defined(__AVX512BW__)) && !defined(__AVX2__)
 template <int M>
 void run_dot(const int16_t* x, int64_t stride, const int8_t* w, int64_t K, int64_t count, int64_t* out,
              int64_t ostride) {
