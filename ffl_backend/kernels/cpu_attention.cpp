@@ -14,10 +14,8 @@
 // (B, Lq, Hq, D) order the o_proj reads (returned as a (B, Hq, Lq, D) view of it).
 // Keys are taken four at a time (AVX2 where built for it, else loops the compiler vectorizes): the
 // four scores of a query row reduced by one horizontal-add tree, four values accumulated per load of
-// the output row. One dot per key with its own reduction was a chain of dependent adds; blocked, a
-// 1000-slot decode (batch 1, SmolLM2's 9/3 heads of 64, bf16, 2-core Xeon) takes 45 us instead of
-// 120, batch 4 at 48 slots 15 instead of 23 (benchmarks/results/cpu_decode_kernels_ab_cpu_xeon.json).
-// Built with cpu_gemv.cpp into one library (cpu_lib.py).
+// the output row. One dot per key with its own reduction was a chain of dependent scalar adds (the
+// A/B: benchmarks/results/cpu_decode_kernels_ab_cpu_xeon.json). Built with cpu_gemv.cpp into one library (cpu_lib.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

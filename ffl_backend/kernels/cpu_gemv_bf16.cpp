@@ -8,10 +8,8 @@
 // activations times weights never needs. Why: the general path widens every weight to fp32 (two
 // instructions per 16) and issues one FMA per 16 weights per row; here one instruction per 32
 // weights per row takes the weights as they load, and weight rows go four at a time (two above four
-// x rows), each x load serving all of them. A 1024 x 576 weight in L2, one thread, 2-core Xeon
-// (benchmarks/results/cpu_decode_kernels_ab_cpu_xeon.json): 2 rows 48 -> 33 us, 4 rows 64 -> 58,
-// 8 rows 150-174 -> 108-117. One row stays on the fp32 path: the weight stream bounds it, and this
-// path was ~15% slower there.
+// x rows), each x load serving all of them (the A/B: benchmarks/results/cpu_decode_kernels_ab_cpu_xeon.json).
+// One row stays on the fp32 path: the weight stream alone bounds it, and this path measured slower there.
 // Where the CPU or the build lacks AVX512-BF16, `gemv_bf16_dot` returns false and gemv keeps its
 // fp32 path. The reference is cpu_gemv.py's `gemv_ref`.
 #include <ATen/core/Tensor.h>

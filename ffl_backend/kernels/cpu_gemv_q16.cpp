@@ -13,11 +13,10 @@
 // int16 pairs and adds them into 16 int32 lanes in one instruction, after one widening per 32
 // weights shared by all rows. Without VNNI, `vpmaddwd` + `vpaddd` do the same (AVX-512, AVX2).
 // Lane sums stay below 2^31 within a segment of K (kSegment, per instruction set); longer rows are summed in
-// segments into int64. With AVX-512, weight rows go four at a time (two above four x rows): each x
-// load serves the four, and one add tree reduces their sums (4 x rows, one thread, a 1024 x 576
-// weight in L2: 47-52 -> 34-35 us; cpu_decode_kernels_ab_cpu_xeon.json). AVX2 tiles four weight rows
-// for one or two x rows, two for three or four (16 registers); its build on the Xeon: 1 row 35-38 ->
-// 21 us, 2 rows 47-53 -> 32-34 (cpu_decode_kernels_avx2_ab_cpu_xeon.json). The pure-torch reference is cpu_gemv.py's `gemv_q16_ref`.
+// segments into int64. Weight rows go in tiles -- AVX-512: four (two above four x rows); AVX2: four
+// for one or two x rows, two for three or four (16 registers) -- so that each x load serves the whole
+// tile and one add tree reduces its sums, where a row at a time paid a load per row and a reduction
+// per row (the A/B: benchmarks/results/cpu_decode_kernels_*ab_cpu_xeon.json). The pure-torch reference is cpu_gemv.py's `gemv_q16_ref`.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
