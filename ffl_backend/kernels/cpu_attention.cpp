@@ -15,7 +15,8 @@
 // Keys are taken four at a time (AVX2 where built for it, else loops the compiler vectorizes): the
 // four scores of a query row reduced by one horizontal-add tree, four values accumulated per load of
 // the output row. One dot per key with its own reduction was a chain of dependent scalar adds (the
-// A/B: benchmarks/results/cpu_decode_kernels_ab_cpu_xeon.json). Built with cpu_gemv.cpp into one library (cpu_lib.py).
+// A/B: benchmarks/results/cpu_decode_kernels_ab_cpu_xeon.json). Built with cpu_gemv.cpp into one
+// library (cpu_lib.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
