@@ -88,7 +88,9 @@ inline void axpy_block(const float* p, const float* v, int64_t D, float* acc) {
     o = _mm256_fmadd_ps(p3, _mm256_loadu_ps(v + 3 * D + d), o);
     _mm256_storeu_ps(acc + d, o);
   }
-  for (int64_t d = whole; d < D; ++d) acc[d] += p[0] * v[d] + p[1] * v[D + d] + p[2] * v[2 * D + d] + p[3] * v[3 * D + d];
+  for (int64_t d = whole; d < D; ++d) {
+    acc[d] += p[0] * v[d] + p[1] * v[D + d] + p[2] * v[2 * D + d] + p[3] * v[3 * D + d];
+  }
 }
 #else
 inline void dots_block(const float* q, const float* k, int64_t D, float* out) {

@@ -16,7 +16,8 @@
 // segments into int64. Weight rows go in tiles -- AVX-512: four (two above four x rows); AVX2: four
 // for one or two x rows, two for three or four (16 registers) -- so that each x load serves the whole
 // tile and one add tree reduces its sums, where a row at a time paid a load per row and a reduction
-// per row (the A/B: benchmarks/results/cpu_decode_kernels_*ab_cpu_xeon.json). The pure-torch reference is cpu_gemv.py's `gemv_q16_ref`.
+// per row (the A/B: benchmarks/results/cpu_decode_kernels_*ab_cpu_xeon.json). The pure-torch
+// reference is cpu_gemv.py's `gemv_q16_ref`.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -234,7 +235,8 @@ inline void lane_sums4(__m256i a, __m256i b, __m256i c, __m256i d, int64_t* out)
   const __m256i ab = _mm256_add_epi64(_mm256_unpacklo_epi64(A, B), _mm256_unpackhi_epi64(A, B));  // [a b | a b]
   const __m256i cd = _mm256_add_epi64(_mm256_unpacklo_epi64(C, D), _mm256_unpackhi_epi64(C, D));  // [c d | c d]
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(out),
-                      _mm256_add_epi64(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31)));
+                      _mm256_add_epi64(_mm256_permute2x128_si256(ab, cd, 0x20),
+                                       _mm256_permute2x128_si256(ab, cd, 0x31)));
 }
 
 // M int16 rows of x times NT consecutive weight rows (row stride K), 16 values per step: each x load
@@ -338,9 +340,10 @@ at::Tensor gemv_q16(const at::Tensor& x, at::TensorList weights, at::TensorList 
   std::vector<const int8_t*> ptrs;
   for (const auto& w : weights) ptrs.push_back(w.const_data_ptr<int8_t>());
   std::vector<int64_t> sums(M * total);
-  fastflow_cpu::for_each_run(first_row, K, at::get_num_threads(), [&](size_t i, int64_t local, int64_t count, int64_t r) {
+  const auto run = [&](size_t i, int64_t local, int64_t count, int64_t r) {
     dot_run(q, M, ptrs[i] + local * K, K, count, sums.data() + r, total);
-  });
+  };
+  fastflow_cpu::for_each_run(first_row, K, at::get_num_threads(), run);
   std::vector<float> y32(M * total);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t r = 0; r < total; ++r) y32[m * total + r] = static_cast<float>(sums[m * total + r]) * q.step[m];
