@@ -191,12 +191,7 @@ def _add_vocab(writer, folder: Path, config) -> None:
     writer.add_token_types(list(types))
     # Newer tokenizer.json files store a merge as a pair, older ones as "a b"; GGUF wants "a b".
     writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]])
-    for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
-                     ("pad_token_id", writer.add_pad_token_id)):
-        value = getattr(config, key, None)
-        value = value[0] if isinstance(value, list) else value
-        if isinstance(value, int):
-            add(value)
+    _add_special_ids(writer, config)
 
 
 def _add_spm_vocab(writer, folder: Path, config) -> None:
@@ -217,6 +212,10 @@ def _add_spm_vocab(writer, folder: Path, config) -> None:
     writer.add_token_list(texts)
     writer.add_token_scores([0.0] * config.vocab_size)
     writer.add_token_types(types)
+    _add_special_ids(writer, config)
+
+
+def _add_special_ids(writer, config) -> None:
     for key, add in (("bos_token_id", writer.add_bos_token_id), ("eos_token_id", writer.add_eos_token_id),
                      ("pad_token_id", writer.add_pad_token_id)):
         value = getattr(config, key, None)

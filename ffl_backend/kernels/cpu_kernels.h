@@ -96,26 +96,8 @@ inline std::vector<int64_t> gemv_first_rows(const char* op, const at::Tensor& x,
 
 // The rows of all weights as one range [0, total): thread t handles one contiguous run of it, across
 // matrix boundaries, so siblings (q/k/v, gate/up) share one parallel region and one prefetch stream.
-// row(i, local, r): weight i's row `local`, row r of the concatenated output.
-template <typename RowFn>
-void for_each_row(const std::vector<int64_t>& first_row, int64_t K, int threads_available, RowFn&& row) {
-  const int64_t total = first_row.back();
-  const int64_t grain = std::max<int64_t>(1, kMinParallelElements / std::max<int64_t>(K, 1));
-  const int threads = static_cast<int>(std::min<int64_t>(threads_available, (total + grain - 1) / grain));
-#pragma omp parallel num_threads(threads)
-  {
-    const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t begin = total * t / nt, end = total * (t + 1) / nt;
-    size_t i = std::upper_bound(first_row.begin(), first_row.end(), begin) - first_row.begin() - 1;
-    for (int64_t r = begin; r < end; ++r) {
-      while (r >= first_row[i + 1]) ++i;
-      row(i, r - first_row[i], r);
-    }
-  }
-}
-
-// The same split, as runs of consecutive rows of one weight: run(i, local, count, r) for weight i's
-// rows [local, local + count), rows [r, r + count) of the concatenated output.
+// run(i, local, count, r): weight i's rows [local, local + count), rows [r, r + count) of the
+// concatenated output -- the thread's part of one weight's rows.
 template <typename RunFn>
 void for_each_run(const std::vector<int64_t>& first_row, int64_t K, int threads_available, RunFn&& run) {
   const int64_t total = first_row.back();
@@ -132,6 +114,14 @@ void for_each_run(const std::vector<int64_t>& first_row, int64_t K, int threads_
       r = std::max(r, stop);
     }
   }
+}
+
+// The same split a row at a time: row(i, local, r) for weight i's row `local`, row r of the output.
+template <typename RowFn>
+void for_each_row(const std::vector<int64_t>& first_row, int64_t K, int threads_available, RowFn&& row) {
+  for_each_run(first_row, K, threads_available, [&](size_t i, int64_t local, int64_t count, int64_t r) {
+    for (int64_t j = 0; j < count; ++j) row(i, local + j, r + j);
+  });
 }
 
 // y (M, total) *= each weight's scale, += its bias, in fp32 (the order the references use).

@@ -12,14 +12,6 @@ from ffl_backend.kernels import autotune
 from ffl_backend.kernels import quant_linear as K
 
 
-@pytest.fixture
-def tuning(tmp_path, monkeypatch):
-    monkeypatch.setenv("FFL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("FFL_AUTOTUNE", "1")
-    monkeypatch.setattr(autotune, "_memory", {})
-    return tmp_path / "autotune.json"
-
-
 def _timer(costs: dict, calls: list):
     def measure(candidate):
         calls.append(candidate)

@@ -13,14 +13,6 @@ from ffl_backend.quant.modules import pretune_linears
 from tests.helpers import assert_matches_reference
 
 
-@pytest.fixture
-def tuning(tmp_path, monkeypatch):
-    monkeypatch.setenv("FFL_CACHE_DIR", str(tmp_path))
-    monkeypatch.setenv("FFL_AUTOTUNE", "1")
-    monkeypatch.setattr(autotune, "_memory", {})
-    return tmp_path / "autotune.json"
-
-
 def _forced(monkeypatch, config):
     monkeypatch.setattr(T, "launch_config", lambda *args, **kwargs: config)
 
