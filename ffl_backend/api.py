@@ -6,7 +6,8 @@ What it sets on *this* model (nothing global, nothing in transformers.models.* r
 3. generation over a static KV cache of fixed shape (batch x max_seq_len), with decode compiled by
    the fastflow backend (`generation.configure_generate`). The cache length never depends on the
    prompt, and the attention ops take the filled length as a tensor, so one decode graph serves
-   every step and every prompt length: no recompiles;
+   every step and every prompt length: no recompiles. Sliding-window layers keep only their window
+   (window_cache.py);
 4. a per-instance `generate` that rejects prompt + max_new_tokens > max_seq_len (or a batch above
    max_batch_size) with a clear error before any work, and runs greedy and sampling requests through
    fastflow's decode loop (decode_loop.py: no per-token host work beyond the compiled step).
@@ -146,7 +147,9 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     generate = DecodeLoop(model, model.generate, max_seq_len) if decode_loop else model.generate
     model.generate = _checked_generate(model, generate, max_batch_size, max_seq_len)
     setattr(model, _STATE, state)
-    nbytes = kv_cache_bytes(cfg, max_batch_size, max_seq_len, model.dtype, cap_sliding=False)
+    # the decode loop's caches hold only the window for sliding layers (window_cache.py)
+    rolling = decode_loop and model.config._attn_implementation == hf.NAME
+    nbytes = kv_cache_bytes(cfg, max_batch_size, max_seq_len, model.dtype, cap_sliding=rolling)
     logger.info("fastflow: static KV cache %d x %d tokens = %.1f MiB (%s); attention=%s",
                 max_batch_size, max_seq_len, nbytes / 2**20, str(model.dtype).replace("torch.", ""),
                 model.config._attn_implementation)

@@ -234,7 +234,9 @@ class DecodeLoop:
         if cache is None:
             cache = StaticCache(config=self.model.config, max_cache_len=self.max_seq_len)
             if self.model.config._attn_implementation == hf.NAME:
-                hf.unroll_sliding_layers(cache, self.max_seq_len)  # the op applies the window
+                from .window_cache import use_rolling_windows  # window slots per sliding layer
+
+                use_rolling_windows(cache, self.max_seq_len)
             self._caches[key] = cache
         else:
             cache.reset()

@@ -17,9 +17,11 @@ and decode would attend to every slot of the cache, written or not.
 
 Sliding-window layers: transformers' StaticSlidingWindowLayer rolls the cache, but tracks its length
 in a Python int that Dynamo guards on, so compiled decode recompiles at every token until it hits the
-recompile limit (measured: 8 graphs for 20 tokens on a tiny Mistral). `install` therefore gives such
-layers a plain StaticLayer of the full length (per model instance) and the window is applied by the
-op and the sliding mask instead; the price is a cache that is not capped at the window.
+recompile limit (measured: 8 graphs for 20 tokens on a tiny Mistral). fastflow's decode loop gives
+such layers a `RollingWindowLayer` (window_cache.py: window slots, a tensor position); decode then
+sees a key buffer exactly `window` long against a full-length mask, and `rolled_mask` maps the mask
+onto the slots. transformers' own loop (requests the decode loop hands back) gets a plain StaticLayer
+of the full length (`install`), the window applied by the op and the sliding mask.
 """
 from __future__ import annotations
 
@@ -43,13 +45,22 @@ def filled_length(mask: Tensor) -> Tensor:
     return (last * slots).amax()
 
 
+def rolled_mask(mask: Tensor, newest: Tensor, window: int) -> Tensor:
+    """(B, 1, 1, window) bool: whether slot s of a RollingWindowLayer (window_cache.py) holds a
+    visible key, from the full-length decode mask (B, 1, 1, max_seq_len) and the newest position p."""
+    slots = torch.arange(window, device=mask.device)
+    positions = newest - torch.remainder(newest - slots, window)
+    gathered = mask.gather(-1, positions.clamp(min=0).expand(*mask.shape[:-1], window))
+    return gathered & (positions >= 0)
+
+
 def _bool_mask(mask: Tensor) -> Tensor:
     """HF float masks hold 0 where attending and the dtype's minimum elsewhere."""
     return mask if mask.dtype == torch.bool else mask == 0
 
 
 def _eager_fallback(module, query, key, value, attention_mask, sliding_window=None, **kwargs):
-    """The model's own eager attention, for what the ops do not cover (logit softcapping, dropout).
+    """The model's own eager attention, for what the ops do not cover (dropout in training).
     A sliding window is ANDed into the mask here, as the ops apply it themselves: the decode loop
     hands every layer one full-causal mask (decode_loop.py)."""
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
@@ -68,24 +79,32 @@ def _eager_fallback(module, query, key, value, attention_mask, sliding_window=No
 def fastflow_attention(module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                        scaling: float | None = None, dropout: float = 0.0, sliding_window: int | None = None,
                        softcap: float | None = None, **kwargs):
-    if softcap is not None or (dropout and module.training):
+    if dropout and module.training:
         return _eager_fallback(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                sliding_window=sliding_window, softcap=softcap, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    window = int(sliding_window) if sliding_window else 0
+    window, cap = int(sliding_window) if sliding_window else 0, float(softcap or 0.0)
     if attention_mask is None:
         if 1 < query.shape[2] < key.shape[2]:
             # HF skipped the mask for a prompt written from slot 0 of an empty static cache (its
             # `is_causal` is top-left aligned there): the prompt's keys are the first Lq slots.
             key, value = key[:, :, :query.shape[2]], value[:, :, :query.shape[2]]
-        out = torch.ops.fastflow.attention_prefill(query, key, value, scale, window)
+        out = torch.ops.fastflow.attention_prefill(query, key, value, scale, window, cap)
     else:
         mask = _bool_mask(attention_mask)
+        if window and query.shape[2] == 1 and key.shape[2] == window < mask.shape[-1]:
+            # a RollingWindowLayer's buffer (window_cache.py): every written slot is in the window
+            newest = filled_length(mask) - 1
+            mask, window = rolled_mask(mask, newest, key.shape[2]), 0
+            filled = torch.clamp(newest + 1, max=key.shape[2])
+        else:
+            filled = filled_length(mask)
         # On CPU the C++ kernel is called directly, not through the Python op around it: one
         # dispatcher call per layer in the compiled decode step (under cpp_wrapper a C++ call).
-        op = (torch.ops.fastflow_cpu.decode_attention if _cpu_kernel["built"] and _decode.cpu_kernel_fits(query, key)
-              else torch.ops.fastflow.attention_decode)
-        out = op(query, key, value, filled_length(mask), scale, window, mask)
+        if not cap and _cpu_kernel["built"] and _decode.cpu_kernel_fits(query, key):
+            out = torch.ops.fastflow_cpu.decode_attention(query, key, value, filled, scale, window, mask)
+        else:
+            out = torch.ops.fastflow.attention_decode(query, key, value, filled, scale, window, mask, cap)
     return out.transpose(1, 2), None
 
 

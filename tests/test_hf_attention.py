@@ -9,7 +9,7 @@ import torch
 
 import ffl_backend
 from ffl_backend.api import kv_cache_bytes, restore
-from tests.tiny_models import COMMON, tiny_model
+from tests.tiny_models import COMMON, SLIDING_KINDS, sliding_model, tiny_model
 
 pytestmark = pytest.mark.usefixtures("no_fallbacks")  # no pattern family fell back, no anchor left
 
@@ -21,19 +21,6 @@ NEW = 12
 
 def _greedy(model, ids, **kw):
     return model.generate(ids, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **kw)
-
-
-def _sliding_model(kind):
-    import transformers as T
-
-    torch.manual_seed(0)
-    small = dict(COMMON, num_key_value_heads=2)
-    if kind == "mistral":
-        config = T.MistralConfig(sliding_window=6, **small)
-    else:  # Gemma-2: sliding and full layers alternate; "softcap" takes the eager fallback
-        config = T.Gemma2Config(head_dim=16, sliding_window=6, query_pre_attn_scalar=16,
-                                attn_logit_softcapping=50.0 if kind == "gemma2_softcap" else None, **small)
-    return T.AutoModelForCausalLM.from_config(config).eval()
 
 
 def _graph_count():
@@ -66,11 +53,11 @@ def test_left_padded_batch_matches_each_prompt_alone():
         assert torch.equal(_greedy(model, p[None])[0, len(p):], expected)
 
 
-@pytest.mark.parametrize("kind", ["mistral", "gemma2", "gemma2_softcap"])
+@pytest.mark.parametrize("kind", SLIDING_KINDS)
 def test_sliding_window_models_match_eager_without_recompiles(kind, no_fallbacks):
-    if kind.startswith("gemma2"):  # its logit soft-capping, tanh(x / cap) * cap: a tanh no family fuses
+    if kind.startswith("gemma2"):  # its final logit soft-capping, tanh(x / cap) * cap: a tanh no family fuses
         no_fallbacks.unfused_ok = ("tanh",)
-    model = _sliding_model(kind)
+    model = sliding_model(kind)
     ids = torch.randint(3, 128, (1, 9))  # 9 + 12 tokens: well past the window of 6
     expected = _greedy(model, ids)
     ffl_backend.optimize(model, max_seq_len=48, **FAST)
@@ -80,6 +67,44 @@ def test_sliding_window_models_match_eager_without_recompiles(kind, no_fallbacks
     # One decode graph for both calls. (Its `recompile` flag may be set: Dynamo counts compiles per
     # code object, and Module.__call__ is shared with the models of earlier tests.)
     assert _graph_count() - before == 1, [r.summary() for r in ffl_backend.fusion_reports()[before:]]
+    _assert_window_sized(model, window=6, max_seq_len=48)
+
+
+def _assert_window_sized(model, window, max_seq_len):
+    """The decode loop's static caches hold `window` slots for sliding layers, the full length
+    for the others, and kv_cache_bytes says the same."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+
+    from ffl_backend.api import kv_cache_bytes
+
+    loop = model.generate.__wrapped__
+    kinds, _ = get_layer_types_and_kwargs(model.config)
+    for cache in loop._caches.values():
+        lengths = [layer.keys.shape[2] for layer in cache.layers]
+        assert lengths == [window if k == "sliding_attention" else max_seq_len for k in kinds]
+        batch = cache.layers[0].keys.shape[0]
+        nbytes = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+        assert nbytes == kv_cache_bytes(model.config, batch, max_seq_len, model.dtype)
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "gemma2_softcap"])
+def test_sliding_window_left_padded_batch_matches_each_prompt_alone(kind, no_fallbacks):
+    """Rolling window caches with left padding: prompts shorter and longer than the window."""
+    if kind.startswith("gemma2"):
+        no_fallbacks.unfused_ok = ("tanh",)
+    model = sliding_model(kind)
+    prompts = [torch.randint(3, 128, (n,)) for n in (3, 9, 14, 5)]
+    alone = [_greedy(model, p[None])[0, len(p):] for p in prompts]
+    ffl_backend.optimize(model, max_batch_size=4, max_seq_len=40, **FAST)
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(4, width, dtype=torch.long)
+    mask = torch.zeros(4, width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
+    batch = _greedy(model, ids, attention_mask=mask, pad_token_id=0)[:, width:]
+    for row, expected in enumerate(alone):
+        assert torch.equal(batch[row], expected), f"row {row} (prompt {len(prompts[row])} tokens) differs"
+    _assert_window_sized(model, window=6, max_seq_len=40)
 
 
 def test_limits_fail_before_any_work():

@@ -51,6 +51,37 @@ def tiny_model(arch: str, dtype=torch.float32, seed: int = 0):
     return model
 
 
+
+SLIDING_KINDS = ("mistral", "gemma2", "gemma2_softcap", "gemma3")
+
+
+def sliding_model(kind: str, window: int = 6, seed: int = 0):
+    """A tiny model with sliding-window layers: Mistral (every layer sliding), Gemma-2 (sliding and
+    full layers alternate; "_softcap" adds its attention and final logit soft-capping), Gemma-3
+    (five sliding layers per global one, QK-norm, one KV head). Norm weights perturbed as in tiny_model."""
+    import transformers as T
+
+    torch.manual_seed(seed)
+    small = dict(COMMON, num_key_value_heads=2)
+    if kind == "mistral":
+        config = T.MistralConfig(sliding_window=window, **small)
+    elif kind.startswith("gemma2"):
+        capped = kind == "gemma2_softcap"
+        config = T.Gemma2Config(head_dim=16, sliding_window=window, query_pre_attn_scalar=16,
+                                attn_logit_softcapping=5.0 if capped else None,
+                                final_logit_softcapping=3.0 if capped else None, **small)
+    elif kind == "gemma3":
+        config = T.Gemma3TextConfig(**dict(small, num_hidden_layers=6, num_key_value_heads=1), head_dim=16,
+                                    query_pre_attn_scalar=16, sliding_window=window)
+    else:
+        raise ValueError(kind)
+    model = T.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
 def save_tiny_folder(folder, arch: str = "llama"):
     """A tiny random model with a word-level tokenizer over the benchmark's default text, saved as a
     Hugging Face folder (no download): what `ffl-bench --model` and `ffl-serve --model` load."""

@@ -1,11 +1,12 @@
 """Decode attention over a static KV cache:
-`torch.ops.fastflow.attention_decode(q, k_cache, v_cache, filled, scale, window, mask=None)`.
+`torch.ops.fastflow.attention_decode(q, k_cache, v_cache, filled, scale, window, mask=None, softcap=0.0)`.
 
 q (B, Hq, Lq, D): the newest Lq tokens, already written to the cache; k_cache/v_cache (B, Hkv, S, D):
 the whole static cache; `filled`: int64 tensor (one element) = cache slots written so far. It is a
 tensor, not an int, so one compiled decode graph serves every step and every prompt length: an int
 would be a guard and a recompile per token. Only the first `filled` slots are read. `mask`: optional
-boolean HF mask (B or 1, 1, Lq, >= filled), ANDed with causal + window (reference.py).
+boolean HF mask (B or 1, 1, Lq, >= filled), ANDed with causal + window (reference.py). `softcap` > 0:
+Gemma 2's logit soft-capping (reference.py).
 
 CPU path, chosen by measurement (benchmarks/attention_cpu_paths.py): slicing the cache to the
 filled length and calling SDPA with GQA beats a masked SDPA over the whole cache, eager or compiled
@@ -14,6 +15,7 @@ filled length and calling SDPA with GQA beats a masked SDPA over the whole cache
 unbacked size). Its CPU body runs the C++ kernel `fastflow_cpu::decode_attention`
 (kernels/cpu_attention.cpp) for up to CPU_KERNEL_MAX_ROWS query rows per KV head -- it reads only the
 filled slots with no slice, mask copy or SDPA call -- and slices + SDPA with `enable_gqa` beyond that.
+Soft-capped calls (no C++ or SDPA support) take prefill.capped_attention over the filled slots.
 
 CUDA path, flash-decoding: `_split_kernel` gives each (batch, kv head, split) program all `group * Lq`
 query rows of that kv head (GQA: each K/V block is loaded once for the whole group, as a tl.dot
@@ -30,7 +32,16 @@ from torch import Tensor
 
 from ..kernels import cpu_lib
 from ..kernels._triton import HAS_TRITON, AotSpec, on_triton_device, ptr, tl, triton
-from .prefill import AOT_BLOCK_DS, AOT_DTYPES, dot, dot_precision, flash_launch, head_block, row_cost, upcast_dot
+from .prefill import (
+    AOT_BLOCK_DS,
+    AOT_DTYPES,
+    capped_attention,
+    dot_precision,
+    flash_launch,
+    head_block,
+    row_cost,
+    upcast_dot,
+)
 from .reference import visible
 
 MAX_SPLITS = 64
@@ -56,11 +67,12 @@ def decode_tile(head_dim: int, dtype_bytes: int) -> tuple[int, int]:
 
 
 if HAS_TRITON:
+    from .prefill import dot, scores
 
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, filled_ptr, mask_ptr, acc_ptr, ml_ptr,
                       sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_m,
-                      n_kv_heads, group, q_len, head_dim, n_splits, scale, window,
+                      n_kv_heads, group, q_len, head_dim, n_splits, scale, window, softcap,
                       HAS_MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         bkv = tl.program_id(0)
@@ -82,7 +94,6 @@ if HAS_TRITON:
         hi = tl.minimum(lo + split_len, filled)
         if window > 0:  # the earliest key the oldest query can see
             lo = tl.maximum(lo, filled - q_len - window + 1)
-        qk_scale = scale * 1.4426950408889634
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -94,7 +105,7 @@ if HAS_TRITON:
             n_ok = cols < hi
             k = tl.load(base_k + cols[None, :] * sk_n + offs_d[:, None],
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            s = dot(q, k, DOT_PREC, UPCAST) * qk_scale
+            s = scores(q, k, scale, softcap, DOT_PREC, UPCAST)
             ok = (cols[None, :] <= pos[:, None]) & n_ok[None, :] & r_ok[:, None]
             if window > 0:
                 ok = ok & (pos[:, None] - cols[None, :] < window)
@@ -146,7 +157,7 @@ def _direct(kernel, grid, *args, **kwargs):
 
 
 def attention_decode_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Tensor, scale: float,
-                            window: int = 0, mask: Tensor | None = None) -> Tensor:
+                            window: int = 0, mask: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     """The Triton path on any tensor Triton can address (CUDA, or CPU under TRITON_INTERPRET)."""
     bsz, n_heads, q_len, head_dim = q.shape
     n_kv = k_cache.shape[1]
@@ -154,7 +165,7 @@ def attention_decode_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled:
     filled = filled.to(device=q.device, dtype=torch.int64).reshape(())
     max_rows, block_n = decode_tile(head_dim, q.element_size())
     if group * q_len > max_rows:
-        return flash_launch(q, k_cache, v_cache, scale, window, filled=filled, mask=mask, run=_direct)
+        return flash_launch(q, k_cache, v_cache, scale, window, softcap, filled=filled, mask=mask, run=_direct)
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
     if mask is not None:
         mask = mask.to(torch.bool).expand(bsz, 1, q_len, mask.shape[-1])
@@ -168,7 +179,7 @@ def attention_decode_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled:
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         mask.stride(0) if mask is not None else 0, mask.stride(2) if mask is not None else 0,
-        n_kv, group, q_len, head_dim, n_splits, scale, window,
+        n_kv, group, q_len, head_dim, n_splits, scale, window, float(softcap),
         HAS_MASK=mask is not None, DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(),
         BLOCK_M=row_block(group * q_len), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -190,9 +201,14 @@ def cpu_kernel_fits(q: Tensor, k_cache: Tensor) -> bool:
 
 
 def attention_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Tensor, scale: float,
-                         window: int = 0, mask: Tensor | None = None) -> Tensor:
+                         window: int = 0, mask: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     """A few query rows: the C++ kernel. Else: slice the cache to the filled length, then SDPA (no K/V
     repeat: enable_gqa)."""
+    if softcap > 0:
+        n = int(filled)
+        ok = visible(q.shape[2], n, window, q.device)
+        ok = ok if mask is None else ok & mask[..., :n].to(torch.bool)
+        return capped_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], scale, softcap, ok)
     if cpu_kernel_fits(q, k_cache) and cpu_lib.load():
         return torch.ops.fastflow_cpu.decode_attention(q, k_cache, v_cache, filled, scale, window, mask).contiguous()
     n = int(filled)  # a CPU tensor: no device sync
@@ -212,14 +228,14 @@ def attention_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Te
 
 @torch.library.custom_op("fastflow::attention_decode", mutates_args=())
 def attention_decode(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Tensor, scale: float,
-                     window: int = 0, mask: Tensor | None = None) -> Tensor:
+                     window: int = 0, mask: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     if on_triton_device(q):
-        return attention_decode_triton(q, k_cache, v_cache, filled, scale, window, mask)
-    return attention_decode_cpu(q, k_cache, v_cache, filled, scale, window, mask)
+        return attention_decode_triton(q, k_cache, v_cache, filled, scale, window, mask, softcap)
+    return attention_decode_cpu(q, k_cache, v_cache, filled, scale, window, mask, softcap)
 
 
 @attention_decode.register_fake
-def _attention_decode_fake(q, k_cache, v_cache, filled, scale, window=0, mask=None):
+def _attention_decode_fake(q, k_cache, v_cache, filled, scale, window=0, mask=None, softcap=0.0):
     return q.new_empty(q.shape)
 
 
@@ -236,7 +252,7 @@ def aot_specs() -> list[AotSpec]:
                "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
         sig.update({n: "i64" for n in strides})
         sig.update({n: "i32" for n in ("n_kv_heads", "group", "q_len", "head_dim", "n_splits")})
-        sig.update({"scale": "fp32", "window": "i32"})
+        sig.update({"scale": "fp32", "window": "i32", "softcap": "fp32"})
         const = {"HAS_MASK": True, "DOT_PREC": "ieee" if dt == "fp32" else "tf32", "UPCAST": False,
                  "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d}
         sig.update({n: "constexpr" for n in const})

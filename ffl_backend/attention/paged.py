@@ -1,10 +1,13 @@
 """Decode attention over a paged KV cache:
-`torch.ops.fastflow.paged_decode(q, k_pool, v_pool, block_tables, seq_lens, scale) -> out`.
+`torch.ops.fastflow.paged_decode(q, k_pool, v_pool, block_tables, seq_lens, scale, window, softcap) -> out`.
 
 q (B, Hq, D): one new token per sequence, its k/v already written to the pool. k_pool/v_pool
 (num_blocks, block_size, Hkv, D): one layer's block pool. block_tables (B, max_blocks) int32: the
 physical blocks of each sequence in order (unused entries point at the dummy block 0). seq_lens (B,)
 int32: keys each sequence has, the new one included. Returns (B, Hq, D). GQA: Hq % Hkv == 0.
+window > 0: the query (at position seq_len - 1) sees only its last `window` keys, and blocks wholly
+before them are never read (the engine may have freed them: their table entries then point at the
+dummy block). softcap > 0: logit soft-capping. Semantics: reference.py.
 
 Shapes are fixed per batch bucket (B and max_blocks never change), so one compiled decode graph
 serves every step whatever the lengths; the op is an opaque `custom_op`, the data-dependent gather
@@ -27,32 +30,31 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels._triton import HAS_TRITON, AotSpec, on_triton_device, ptr, tl, triton
-from .prefill import dot_precision, head_block, upcast_dot
+from .prefill import capped_attention, dot_precision, head_block, upcast_dot
+from .reference import attention_ref
 
 if HAS_TRITON:
-    from .prefill import dot
+    from .prefill import dot, scores
 
 
 def paged_decode_ref(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                     scale: float) -> Tensor:
-    """Pure-torch float64 reference: per row, concatenate its blocks, softmax(q k^T * scale) v."""
-    bsz, n_heads, _ = q.shape
-    group = n_heads // k_pool.shape[2]
-    out = torch.empty(q.shape, dtype=torch.float64)
-    for b in range(bsz):
+                     scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
+    """Pure-torch reference: per row, concatenate its blocks, then attention_ref (in q's dtype, at
+    least fp32) for its newest token."""
+    out = torch.empty(q.shape, dtype=q.dtype)
+    for b in range(q.shape[0]):
         n = int(seq_lens[b])
-        nb = -(-n // k_pool.shape[1])
-        blocks = block_tables[b, :nb].long()
-        k = k_pool[blocks].reshape(-1, *k_pool.shape[2:])[:n].double()  # (n, Hkv, D)
-        v = v_pool[blocks].reshape(-1, *v_pool.shape[2:])[:n].double()
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # (n, Hq, D)
-        s = torch.einsum("hd,nhd->hn", q[b].double(), k) * scale
-        out[b] = torch.einsum("hn,nhd->hd", s.softmax(-1), v)
-    return out.to(q.dtype)
+        blocks = block_tables[b, :-(-n // k_pool.shape[1])].long()
+        k = k_pool[blocks].reshape(-1, *k_pool.shape[2:])[:n].transpose(0, 1)[None]  # (1, Hkv, n, D)
+        v = v_pool[blocks].reshape(-1, *v_pool.shape[2:])[:n].transpose(0, 1)[None]
+        out[b] = attention_ref(q[b, :, None][None], k, v, scale, window, softcap=softcap)[0, :, 0]
+    return out
 
 
 def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                     scale: float) -> Tensor:
+                     scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
+    if window > 0 or softcap > 0:
+        return _paged_masked(q, k_pool, v_pool, block_tables, seq_lens, scale, window, softcap)
     bsz, n_heads, head_dim = q.shape
     block = k_pool.shape[1]
     lens = seq_lens.tolist()  # CPU tensors: no device sync
@@ -79,12 +81,36 @@ def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Te
     return out[:, :, 0].contiguous()
 
 
+
+def _paged_masked(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor, scale: float,
+                  window: int, softcap: float) -> Tensor:
+    """Windows and soft-capping: gather the blocks from the first any row's window reaches to the
+    longest row's last, one boolean mask (length and window) per row."""
+    bsz, n_heads, head_dim = q.shape
+    block = k_pool.shape[1]
+    lens = seq_lens.tolist()
+    nb = -(-max(lens) // block)
+    first = min(max(0, n - window) // block for n in lens) if window > 0 else 0
+    idx = block_tables[:, first:nb].reshape(-1).to(device=k_pool.device, dtype=torch.long)
+    k = k_pool.index_select(0, idx).view(bsz, -1, k_pool.shape[2], head_dim).transpose(1, 2)  # (B, Hkv, S, D)
+    v = v_pool.index_select(0, idx).view(bsz, -1, v_pool.shape[2], head_dim).transpose(1, 2)
+    pos = torch.arange(first * block, nb * block, device=q.device)[None, :]
+    n = seq_lens.to(q.device)[:, None]
+    ok = pos < n
+    if window > 0:
+        ok = ok & (pos >= n - window)
+    ok = ok[:, None, None, :]
+    if softcap > 0:
+        return capped_attention(q[:, :, None], k, v, scale, softcap, ok)[:, :, 0].contiguous()
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=ok, scale=scale, enable_gqa=True)
+    return out[:, :, 0].contiguous()
+
 if HAS_TRITON:
 
     @triton.jit
     def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr,
                              sq_b, sq_h, sk_blk, sk_n, sk_h, sv_blk, sv_n, sv_h, sbt_b, so_b, so_h,
-                             n_kv_heads, group, head_dim, scale,
+                             n_kv_heads, group, head_dim, scale, window, softcap,
                              DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
@@ -97,17 +123,19 @@ if HAS_TRITON:
         d_ok = offs_d < head_dim
         q = tl.load(q_ptr + b * sq_b + heads[:, None] * sq_h + offs_d[None, :],
                     mask=r_ok[:, None] & d_ok[None, :], other=0.0)
-        qk_scale = scale * 1.4426950408889634
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
-        for j in range(0, tl.cdiv(n, BLOCK_N)):
+        lo = 0
+        if window > 0:  # the first key the window reaches; blocks before it may be freed
+            lo = tl.maximum(n - window, 0)
+        for j in range(lo // BLOCK_N, tl.cdiv(n, BLOCK_N)):
             blk = tl.load(bt_ptr + b * sbt_b + j).to(tl.int64)
-            n_ok = j * BLOCK_N + offs_n < n
+            n_ok = (j * BLOCK_N + offs_n < n) & (j * BLOCK_N + offs_n >= lo)
             k = tl.load(k_ptr + blk * sk_blk + offs_n[None, :] * sk_n + kvh * sk_h + offs_d[:, None],
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            s = dot(q, k, DOT_PREC, UPCAST) * qk_scale
+            s = scores(q, k, scale, softcap, DOT_PREC, UPCAST)
             s = tl.where(n_ok[None, :] & r_ok[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -128,7 +156,7 @@ def _row_block(group: int) -> int:
 
 
 def paged_decode_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                        scale: float) -> Tensor:
+                        scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
     """The Triton kernel on any tensor Triton can address (CUDA, or CPU under TRITON_INTERPRET).
     The pool's block size is the kernel's BLOCK_N: a power of two >= 16."""
     bsz, n_heads, head_dim = q.shape
@@ -142,7 +170,7 @@ def paged_decode_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables:
         q, k_pool, v_pool, block_tables, seq_lens, out,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        n_kv, n_heads // n_kv, head_dim, scale,
+        n_kv, n_heads // n_kv, head_dim, scale, window, float(softcap),
         DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(), BLOCK_M=_row_block(n_heads // n_kv),
         BLOCK_N=block, BLOCK_D=head_block(head_dim), num_warps=4)
     return out
@@ -150,14 +178,14 @@ def paged_decode_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables:
 
 @torch.library.custom_op("fastflow::paged_decode", mutates_args=())
 def paged_decode(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor,
-                 scale: float) -> Tensor:
+                 scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
     if on_triton_device(q):
-        return paged_decode_triton(q, k_pool, v_pool, block_tables, seq_lens, scale)
-    return paged_decode_cpu(q, k_pool, v_pool, block_tables, seq_lens, scale)
+        return paged_decode_triton(q, k_pool, v_pool, block_tables, seq_lens, scale, window, softcap)
+    return paged_decode_cpu(q, k_pool, v_pool, block_tables, seq_lens, scale, window, softcap)
 
 
 @paged_decode.register_fake
-def _paged_decode_fake(q, k_pool, v_pool, block_tables, seq_lens, scale):
+def _paged_decode_fake(q, k_pool, v_pool, block_tables, seq_lens, scale, window=0, softcap=0.0):
     return q.new_empty(q.shape)
 
 
@@ -177,7 +205,8 @@ def aot_specs() -> list[AotSpec]:
                     sig = {"q_ptr": ptr(dt), "k_ptr": ptr(dt), "v_ptr": ptr(dt), "bt_ptr": "*i32",
                            "len_ptr": "*i32", "o_ptr": ptr(dt)}
                     sig.update({s: "i64" for s in strides})
-                    sig.update({"n_kv_heads": "i32", "group": "i32", "head_dim": "i32", "scale": "fp32"})
+                    sig.update({"n_kv_heads": "i32", "group": "i32", "head_dim": "i32", "scale": "fp32",
+                                "window": "i32", "softcap": "fp32"})
                     const = {"DOT_PREC": dot_precision(torch.float32 if dt == "fp32" else torch.bfloat16),
                              "UPCAST": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": head_block(d)}
                     sig.update({c: "constexpr" for c in const})

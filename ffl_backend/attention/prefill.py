@@ -1,9 +1,10 @@
-"""Causal prefill attention: `torch.ops.fastflow.attention_prefill(q, k, v, scale, window)`.
+"""Causal prefill attention: `torch.ops.fastflow.attention_prefill(q, k, v, scale, window, softcap)`.
 
 q (B, Hq, Lq, D), k/v (B, Hkv, Lkv, D) with Hq % Hkv == 0 (MHA, GQA, MQA), output (B, Hq, Lq, D) in
 q's dtype; semantics in reference.py (bottom-right causal, optional sliding window, window <= 0 =
-none). transformers uses it when it hands over no mask (plain causal, no padding, no static cache);
-everything with a mask goes through attention_decode, which takes the mask and the filled length.
+none; optional logit soft-capping, softcap <= 0 = none). transformers uses it when it hands over no
+mask (plain causal, no padding, no static cache); everything with a mask goes through
+attention_decode, which takes the mask and the filled length.
 
 CUDA: one FlashAttention-2 style Triton kernel. A program owns BLOCK_M queries of one q head and
 streams K/V blocks of the matching kv head (`h // group`: repeated K/V heads are never materialised),
@@ -13,6 +14,7 @@ a device tensor, so no host sync) and can AND in a boolean HF mask (`HAS_MASK`).
 
 CPU: the triton_op body is SDPA with `enable_gqa` (no K/V repeat) and `is_causal` when the mask is
 the plain square causal one, else an explicit boolean mask; under torch.compile Inductor traces it.
+SDPA has no soft-capping: capped scores take `capped_attention` (explicit scores, fp32 softmax).
 """
 from __future__ import annotations
 
@@ -70,9 +72,18 @@ if HAS_TRITON:
         return tl.dot(a, b, input_precision=DOT_PREC)
 
     @triton.jit
+    def scores(q, k, scale, softcap, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+        """Scaled (and, softcap > 0, soft-capped) scores in the exp2 domain. tanh(x) = 1 - 2 / (e^2x + 1):
+        saturates cleanly at both ends, and the interpreter and every Triton version have exp."""
+        s = dot(q, k, DOT_PREC, UPCAST) * scale
+        if softcap > 0:
+            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+        return s * 1.4426950408889634
+
+    @triton.jit
     def _flash_kernel(q_ptr, k_ptr, v_ptr, o_ptr, filled_ptr, mask_ptr,
                       sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m,
-                      sm_b, sm_m, n_heads, group, q_len, kv_len, head_dim, scale, window,
+                      sm_b, sm_m, n_heads, group, q_len, kv_len, head_dim, scale, window, softcap,
                       HAS_FILLED: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         pid_m = tl.program_id(0)
@@ -97,7 +108,6 @@ if HAS_TRITON:
         if window > 0:
             lo = tl.maximum(0, q_start + pid_m * BLOCK_M - window + 1)
             lo = (lo // BLOCK_N) * BLOCK_N
-        qk_scale = scale * 1.4426950408889634  # exp2 domain
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -106,7 +116,7 @@ if HAS_TRITON:
             n_ok = cols < hi
             k = tl.load(k_ptr + b * sk_b + kvh * sk_h + cols[None, :] * sk_n + offs_d[:, None],
                         mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            s = dot(q, k, DOT_PREC, UPCAST) * qk_scale
+            s = scores(q, k, scale, softcap, DOT_PREC, UPCAST)
             ok = (cols[None, :] <= pos[:, None]) & n_ok[None, :] & m_ok[:, None]
             if window > 0:
                 ok = ok & (pos[:, None] - cols[None, :] < window)
@@ -129,7 +139,7 @@ if HAS_TRITON:
                  out.to(o_ptr.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
 
 
-def flash_launch(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int,
+def flash_launch(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int, softcap: float = 0.0,
                  filled: Tensor | None = None, mask: Tensor | None = None, run=launch) -> Tensor:
     """Launch `_flash_kernel`; `run` is `launch` (wrap_triton, traceable) or a direct call."""
     bsz, n_heads, q_len, head_dim = q.shape
@@ -145,19 +155,38 @@ def flash_launch(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int,
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         mask.stride(0) if mask is not None else 0, mask.stride(2) if mask is not None else 0,
-        n_heads, n_heads // k.shape[1], q_len, k.shape[2], head_dim, scale, window,
+        n_heads, n_heads // k.shape[1], q_len, k.shape[2], head_dim, scale, window, float(softcap),
         HAS_FILLED=filled is not None, HAS_MASK=mask is not None, DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim), num_warps=warps)
     return out
 
 
-def attention_prefill_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0) -> Tensor:
+def attention_prefill_triton(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0,
+                             softcap: float = 0.0) -> Tensor:
     """The Triton kernel on any tensor Triton can address (CUDA, or CPU under TRITON_INTERPRET)."""
-    return flash_launch(q, k, v, scale, window)
+    return flash_launch(q, k, v, scale, window, softcap)
 
 
-def attention_prefill_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0) -> Tensor:
+def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float, ok: Tensor | None) -> Tensor:
+    """Soft-capped attention on CPU: explicit fp32 scores (q's dtype if wider), `ok` (broadcastable
+    to (B, Hq, Lq, Lkv)) masks, a fully masked row gives zeros (reference.py)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    bsz, n_heads, q_len, head_dim = q.shape
+    n_kv = k.shape[1]
+    qg = q.to(acc).reshape(bsz, n_kv, n_heads // n_kv * q_len, head_dim)  # GQA without repeating K/V
+    s = (qg @ k.to(acc).transpose(-1, -2)).view(bsz, n_heads, q_len, -1) * scale
+    s = softcap * torch.tanh(s / softcap)
+    if ok is not None:
+        s = s.masked_fill(~ok, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0).view(bsz, n_kv, n_heads // n_kv * q_len, -1)
+    return (p @ v.to(acc)).view(q.shape).to(q.dtype)
+
+
+def attention_prefill_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0,
+                          softcap: float = 0.0) -> Tensor:
     q_len, kv_len = q.shape[2], k.shape[2]
+    if softcap > 0:
+        return capped_attention(q, k, v, scale, softcap, visible(q_len, kv_len, window, q.device))
     if window <= 0 and q_len == kv_len:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     ok = visible(q_len, kv_len, window, q.device)
@@ -165,10 +194,11 @@ def attention_prefill_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, window:
 
 
 @torch.library.triton_op("fastflow::attention_prefill", mutates_args=())
-def attention_prefill(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0) -> Tensor:
+def attention_prefill(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0,
+                      softcap: float = 0.0) -> Tensor:
     if on_triton_device(q):
-        return flash_launch(q, k, v, scale, window)
-    return attention_prefill_cpu(q, k, v, scale, window).contiguous()
+        return flash_launch(q, k, v, scale, window, softcap)
+    return attention_prefill_cpu(q, k, v, scale, window, softcap).contiguous()
 
 
 def aot_specs() -> list[AotSpec]:
@@ -185,7 +215,7 @@ def aot_specs() -> list[AotSpec]:
         sig.update({n: "i64" for n in ("sq_b", "sq_h", "sq_m", "sk_b", "sk_h", "sk_n", "sv_b",
                                        "sv_h", "sv_n", "so_b", "so_h", "so_m", "sm_b", "sm_m")})
         sig.update({n: "i32" for n in ("n_heads", "group", "q_len", "kv_len", "head_dim")})
-        sig.update({"scale": "fp32", "window": "i32"})
+        sig.update({"scale": "fp32", "window": "i32", "softcap": "fp32"})
         const = {"HAS_FILLED": flags, "HAS_MASK": flags, "DOT_PREC": "ieee" if dt == "fp32" else "tf32",
                  "UPCAST": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d}
         sig.update({n: "constexpr" for n in const})

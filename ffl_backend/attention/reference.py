@@ -7,8 +7,10 @@ far (the new tokens included), so the queries are the last Lq written tokens.
 
 Key j is visible to query position p when  j <= p  (causal),  p - j < window  (window > 0 only; HF's
 `sliding_window_causal_mask_function`), and  mask[b, 0, i, j]  (optional boolean HF mask: padding).
-A query with no visible key outputs zeros, as torch's SDPA does for a fully masked row; left-padded
-batches produce such rows at pad positions and a NaN there would leak into the cache.
+Soft-capping (Gemma 2's attn_logit_softcapping, softcap > 0 only) bounds each scaled score before
+the masks: s -> softcap * tanh(s / softcap). A query with no visible key outputs zeros, as torch's
+SDPA does for a fully masked row; left-padded batches produce such rows at pad positions and a NaN
+there would leak into the cache.
 """
 from __future__ import annotations
 
@@ -30,8 +32,12 @@ def visible(q_len: int, kv_len: int, window: int, device, q_start: int | None = 
     return ok
 
 
+def softcapped(scores: Tensor, softcap: float) -> Tensor:
+    return softcap * torch.tanh(scores / softcap) if softcap > 0 else scores
+
+
 def attention_ref(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0,
-                  filled: int | None = None, mask: Tensor | None = None) -> Tensor:
+                  filled: int | None = None, mask: Tensor | None = None, softcap: float = 0.0) -> Tensor:
     """softmax(q k^T * scale + masks) v, GQA by repeating K/V heads, in at least fp32 (so a float64
     run is a true high-precision reference), rounded once to q's dtype.
 
@@ -42,7 +48,7 @@ def attention_ref(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0
     group = q.shape[1] // k.shape[1]
     kf = k[:, :, :kv_len].to(acc).repeat_interleave(group, dim=1)
     vf = v[:, :, :kv_len].to(acc).repeat_interleave(group, dim=1)
-    scores = (q.to(acc) @ kf.transpose(-1, -2)) * scale
+    scores = softcapped((q.to(acc) @ kf.transpose(-1, -2)) * scale, softcap)
     ok = visible(q.shape[2], kv_len, window, q.device)
     if mask is not None:
         ok = ok & mask[..., :kv_len].to(torch.bool)

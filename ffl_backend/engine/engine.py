@@ -128,7 +128,6 @@ class OptimizedInferenceEngine:
         if max_batch_size < 1 or max_seq_len < 2 or block_size < 1:
             raise ValueError("max_batch_size >= 1, max_seq_len >= 2 and block_size >= 1 are required")
         model, tokenizer = _load(model_or_path, tokenizer, dtype)
-        _check_supported(model.config)
         if quant is not None:
             from ..quant.quantizer import quantize
 
@@ -147,7 +146,8 @@ class OptimizedInferenceEngine:
         self.cache = make_paged_cache(model.config, self.num_blocks, block_size, dtype,
                                       next(model.parameters()).device)
         self.runner = ModelRunner(model, self.cache, max_batch_size, self.max_blocks, compile, compile_options)
-        self.scheduler = Scheduler(self.runner, max_batch_size, self.num_blocks, block_size, _eos_ids(model, tokenizer))
+        self.scheduler = Scheduler(self.runner, max_batch_size, self.num_blocks, block_size, _eos_ids(model, tokenizer),
+                                   window=_window_of_every_layer(model.config))
         self._lock = threading.Condition()
         self._incoming: list[Request] = []
         self._stop = False
@@ -324,12 +324,12 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def _check_supported(config) -> None:
-    """What the paged attention does not implement yet: refuse at construction, not mid-request."""
-    from ..hf_attention import has_sliding_layers
+def _window_of_every_layer(config) -> int | None:
+    """The sliding window when every layer has one (blocks past it can be freed), else None: a
+    full-attention layer (Gemma 2/3 mix both kinds) needs every block of the sequence."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
 
-    cfg = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if has_sliding_layers(config):
-        raise NotImplementedError("sliding-window attention layers are not supported by the paged engine yet")
-    if getattr(cfg, "attn_logit_softcapping", None):
-        raise NotImplementedError("attention logit softcapping is not supported by the paged engine yet")
+    cfg = config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(cfg)
+    window = getattr(cfg, "sliding_window", None)
+    return int(window) if window and layer_types and set(layer_types) == {"sliding_attention"} else None

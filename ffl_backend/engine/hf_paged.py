@@ -12,6 +12,7 @@ only record of which slots are written; here the block tables are.)
 Two cases, told apart by the keyword arguments the engine passes to the model's forward:
 - decode (`block_tables` given): q (B, Hq, 1, D) -> `fastflow::paged_decode` over the pools;
 - prefill (no block tables): q/k/v of one sequence -> `fastflow::attention_prefill` (causal).
+Both take the layer's `sliding_window` and `softcap` (Gemma 2/3, Mistral) as the model passes them.
 """
 from __future__ import annotations
 
@@ -23,15 +24,15 @@ NAME = "fastflow_paged"  # no "flash" in it: transformers would switch on its ow
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, block_tables=None,
-                    seq_lens=None, **kwargs):
+                    seq_lens=None, sliding_window=None, softcap=None, **kwargs):
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    window, cap = int(sliding_window or 0), float(softcap or 0.0)
     if block_tables is not None:
-        out = torch.ops.fastflow.paged_decode(query[:, :, 0], key, value, block_tables, seq_lens, scale)
+        out = torch.ops.fastflow.paged_decode(query[:, :, 0], key, value, block_tables, seq_lens, scale, window, cap)
         return out[:, None], None  # (B, 1, Hq, D)
     from ..attention import prefill  # noqa: F401  (registers torch.ops.fastflow.attention_prefill)
 
-    window = int(kwargs.get("sliding_window") or 0)
-    out = torch.ops.fastflow.attention_prefill(query, key, value, scale, window)
+    out = torch.ops.fastflow.attention_prefill(query, key, value, scale, window, cap)
     return out.transpose(1, 2), None
 
 

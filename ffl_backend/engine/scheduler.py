@@ -11,6 +11,10 @@ One `step()`:
 4. one decode step for the whole running batch (the runner pads it to a bucket), one token each,
    emitted; finished requests (eos, max_new_tokens) retire immediately.
 
+With `window` set (every layer of the model a sliding-window layer, e.g. Mistral), a block whose
+tokens every future query is past the window of goes back to the pool as soon as that holds; its
+table entry becomes the dummy block, which the paged attention never reads for such rows.
+
 The scheduler runs on the engine thread only; other threads talk to it through `Request.cancel()`
 (a flag read at the next step) and the engine's submission queue.
 """
@@ -21,7 +25,7 @@ import itertools
 import logging
 import time
 
-from .paged_cache import BlockAllocator, blocks_for
+from .paged_cache import DUMMY_BLOCK, BlockAllocator, blocks_for
 from .sampling import SamplingParams, sample
 
 logger = logging.getLogger("ffl_backend")
@@ -69,8 +73,9 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, runner, max_batch_size: int, num_blocks: int, block_size: int, eos_ids=()):
-        self.runner = runner
+    def __init__(self, runner, max_batch_size: int, num_blocks: int, block_size: int, eos_ids=(),
+                 window: int | None = None):
+        self.runner, self.window = runner, window
         self.max_batch_size = max_batch_size
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
@@ -89,8 +94,20 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def _release(self, req: Request) -> None:
-        self.allocator.release(req.blocks)
+        self.allocator.release([b for b in req.blocks if b != DUMMY_BLOCK])
         req.blocks = []
+
+    def _drop_out_of_window(self, req: Request) -> None:
+        """Free the blocks the next query (at position `cached`) and all later ones cannot see: block
+        i holds positions up to (i + 1) * block_size - 1, visible while p - that < window."""
+        if self.window is None or req.done:
+            return
+        gone = max(0, req.cached - self.window + 1) // self.block_size
+        freed = [b for b in req.blocks[:gone] if b != DUMMY_BLOCK]
+        if freed:
+            self.allocator.release(freed)
+            req.blocks[:gone] = [DUMMY_BLOCK] * gone
+            self.stats["window_freed_blocks"] += len(freed)
 
     def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
         if req in self.running:
@@ -151,6 +168,7 @@ class Scheduler:
             self.stats["prefill_tokens"] += n
             self.running.append(req)
             self._emit(req, sample(logits, req.params, req.generator))
+            self._drop_out_of_window(req)
 
     def _reserve_decode_slots(self) -> None:
         """Each running sequence writes the k/v of its newest token at position `cached`."""
@@ -190,3 +208,4 @@ class Scheduler:
         for row, req in enumerate(batch):
             if not req.done:
                 self._emit(req, sample(logits[row], req.params, req.generator))
+                self._drop_out_of_window(req)

@@ -68,6 +68,8 @@ def _emit_group(graph: fx.Graph, members: list, int8_op) -> None:
 def emit_kernel_calls(gm: fx.GraphModule, gemvs: list, int8_activations: str = "float") -> None:
     """Replace `gemvs` (in graph order) by grouped kernel calls; int8 weights call `gemv_q16` when
     `int8_activations` (the backend option) is "int16"."""
+    if not gemvs:  # nothing to emit, and the library may not be loaded: its ops are not registered
+        return
     ops = torch.ops.fastflow_cpu
     int8_op = ops.gemv_q16.default if int8_activations == "int16" else ops.gemv.default
     groups = defaultdict(list)

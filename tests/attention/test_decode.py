@@ -94,3 +94,27 @@ def test_growing_filled_does_not_recompile():
     for n in (5, 6, 40, 64):
         torch.testing.assert_close(step(q, k, v, torch.tensor(n)), 2 * attention_ref(q, k, v, 0.25, 0, n))
     assert counter.frame_count == 1
+
+
+def _capped_ref(q, k, v, scale, window, filled, mask, softcap):
+    return attention_ref(q, k, v, scale, window, filled, mask, softcap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len,cache_len,filled,d,window", [CASES[1], CASES[2], (33, 80, 33, 16, 0)])
+def test_softcapped_decode_matches_reference(dtype, q_len, cache_len, filled, d, window):
+    """Soft-capped scores (cap 1.5) through the split kernel, the tiled one (33 rows x 3) and the CPU path."""
+    q, k, v = _inputs(dtype, 9, 3, q_len, cache_len, d)
+    q = q * 3
+    mask = _left_pad_mask(2, q_len, cache_len, (0, 5))
+    ref_args = (q, k, v, 0.2, window, filled, mask, 1.5)
+    out = D.attention_decode_triton(q, k, v, torch.tensor(filled), 0.2, window, mask, 1.5)
+    assert_matches_reference(out, _capped_ref, ref_args)
+    out = torch.ops.fastflow.attention_decode(q, k, v, torch.tensor(filled), 0.2, window, mask, 1.5)
+    assert_matches_reference(out, _capped_ref, ref_args, interpreted=False)
+
+
+def test_softcapped_decode_opcheck():
+    q, k, v = _inputs(torch.float32, 9, 3, 2, 40, 16)
+    mask = _left_pad_mask(2, 2, 40, (0, 3))
+    torch.library.opcheck(torch.ops.fastflow.attention_decode, (q, k, v, torch.tensor(30), 0.25, 4, mask, 2.0))

@@ -109,3 +109,46 @@ def test_cpu_consecutive_blocks_view_path(dtype):
     out = paged_decode_cpu(q, k, v, table, lens, 0.17)
     atol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + atol
+
+
+def _freed(table, lens, block, window):
+    """The engine's view after freeing: blocks wholly before each row's window point at the dummy."""
+    table = table.clone()
+    for b, n in enumerate(lens.tolist()):
+        table[b, :max(0, n - window) // block] = 0
+    return table
+
+
+WINDOW_CASES = [  # (B, Hq, Hkv, D, block, lengths, window, softcap)
+    (3, 9, 3, 64, 16, [5, 123, 33], 20, 0.0),
+    (2, 8, 1, 40, 16, [70, 200], 33, 1.5),
+    (3, 4, 4, 24, 16, [1, 17, 48], 0, 1.5),
+]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_windows_and_softcap_match_reference(case, dtype):
+    """Sliding windows (blocks before the window freed to the dummy, which holds other data) and
+    soft-capping, CPU and Triton paths."""
+    *shape, window, softcap = case
+    q, k, v, table, lens = make_case(*shape, dtype=dtype)
+    q = q * 3  # scores where the cap bends them
+    scale = shape[3] ** -0.5
+    ref = paged_decode_ref(q.double(), k.double(), v.double(), table, lens, scale, window, softcap)
+    plain = paged_decode_ref(q, k, v, table, lens, scale, window, softcap)
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    freed = _freed(table, lens, shape[4], window) if window else table
+    paths = [paged_decode_cpu]
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        paths.append(paged_decode_triton)
+    for path in paths:
+        out = path(q, k, v, freed, lens, scale, window, softcap)
+        assert (out.double() - ref).abs().max() <= 2 * (plain.double() - ref).abs().max() + atol, path.__name__
+
+
+def test_window_and_softcap_opcheck():
+    import ffl_backend.attention.paged  # noqa: F401
+
+    q, k, v, table, lens = make_case(3, 9, 3, 64, 16, [5, 40, 17])
+    torch.library.opcheck(torch.ops.fastflow.paged_decode.default, (q, k, v, table, lens, 0.125, 9, 2.0))

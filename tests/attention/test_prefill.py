@@ -57,3 +57,25 @@ def test_reference_matches_sdpa():
     sdpa = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), is_causal=True, scale=0.3)
     torch.testing.assert_close(attention_ref(q, k, v, 0.3), sdpa)
+
+
+def _capped_ref(q, k, v, scale, window, softcap):
+    return attention_ref(q, k, v, scale, window, softcap=softcap)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("q_len,kv_len,d,window", [(37, 37, 64, 0), (3, 66, 16, 20)])
+def test_softcapped_prefill_matches_reference(dtype, q_len, kv_len, d, window):
+    """Gemma 2's tanh cap, small enough (1.5) that most scores are bent: Triton and CPU paths."""
+    q, k, v = _inputs(dtype, 6, 2, q_len, kv_len, d)
+    q = q * 3  # scores of several units, where the cap matters
+    args = (q, k, v, d ** -0.5, window, 1.5)
+    assert_matches_reference(P.attention_prefill_triton(*args), _capped_ref, args)
+    assert_matches_reference(torch.ops.fastflow.attention_prefill(*args), _capped_ref, args, interpreted=False)
+    plain = attention_ref(*args[:5])
+    assert (plain - _capped_ref(*args)).abs().max() > 0.05  # the cap changed the result
+
+
+def test_softcapped_prefill_opcheck():
+    q, k, v = _inputs(torch.float32, 6, 2, 7, 7, 16)
+    torch.library.opcheck(torch.ops.fastflow.attention_prefill, (q, k, v, 0.25, 3, 2.0))

@@ -152,3 +152,23 @@ def test_bf16_exact_fp32_model_decodes_like_eager(cpu_gemv_option):
     expected = {"auto": (0, 7 * LAYERS + 1), "loops": (2 * LAYERS, 4 * LAYERS + 1)}[cpu_gemv_option]
     assert (rep.matches["horizontal"], rep.matches["decode_gemv"]) == expected
     assert "packed_linear" not in rep.ops
+
+
+def test_a_graph_without_kernel_linears_needs_no_library():
+    """Nothing for the kernel in a process that never loaded the library (an inexact fp32 model):
+    the pass leaves the graph alone without touching the library's ops, so no family falls back."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import torch, ffl_backend\n"
+            "from tests.tiny_models import tiny_model\n"
+            "model = tiny_model('llama')\n"
+            "step = torch.compile(lambda ids: model(input_ids=ids).logits, backend='fastflow')\n"
+            "with torch.no_grad():\n"
+            "    step(torch.randint(3, 100, (1, 1)))\n"
+            "print(repr(ffl_backend.last_report().fallbacks))\n")
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=root)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "{}"
