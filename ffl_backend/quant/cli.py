@@ -52,12 +52,13 @@ def _load(args):
 
 
 def _config(args, scheme: str):
+    from .mixed import MIXED_PRESETS
     from .schemes import DEFAULT_SKIP, PRESETS, QuantConfig, resolve_steps, scheme_name_fields
 
     gptq = getattr(args, "gptq", False)
     if scheme in PRESETS and gptq:  # GPTQ for the preset's int4 linears; its int8 head stays round-to-nearest
         return [dataclasses.replace(s, algorithm="gptq") if s.scheme == "int4" else s for s in resolve_steps(scheme)]
-    if scheme in PRESETS:  # "int8-all", "int4-all": used as defined
+    if scheme in PRESETS or scheme in MIXED_PRESETS:  # "int8-all", "int4-all", "int4-mixed": used as defined
         return scheme
     skip = (() if args.quantize_embeddings else DEFAULT_SKIP) + tuple(args.skip)
     kwargs = {**scheme_name_fields(scheme), "skip": skip}
@@ -111,6 +112,19 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", help="write the results here as JSON")
 
 
+def _mixed_summary(model) -> dict:
+    """For "int4-mixed": the average stored bits per weight and the layers per format."""
+    from .quantizer import STATE_ATTR
+
+    plan = getattr(model, STATE_ATTR, {}).get("mixed")
+    if plan is None:
+        return {}
+    formats: dict[str, int] = {}
+    for label in plan["formats"].values():
+        formats[label] = formats.get(label, 0) + 1
+    return {"bpw": plan["bpw"], "budget_bpw": plan["budget_bpw"], "formats": formats, "ranked_by": plan["error"]}
+
+
 def _linear_counts(model) -> dict:
     """How many linears ended up in each form: per scheme, w8a8 split into static and dynamic
     activation scales, and "high precision" for those quantize kept (embeddings not counted)."""
@@ -134,7 +148,8 @@ def eval_ppl_main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Perplexity of a causal LM, high precision vs quantized")
     _common(parser)
     parser.add_argument("--schemes", nargs="+", default=["int8"],
-                        help="int8, int4 (or int4-g32/-g64/-g128), w8a8, fp8, or a preset: int8-all, int4-all")
+                        help="int8, int4 (or int4-g32/-g64/-g128), w8a8, fp8, or a preset: int8-all, int4-all, "
+                             "int4-mixed (a format per layer by measured error, <= 5.0 bits per weight)")
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--window", type=int, default=WINDOW)
     parser.add_argument("--gptq", action="store_true",
@@ -156,6 +171,7 @@ def eval_ppl_main(argv=None) -> int:
         ppl = perplexity(model, eval_ids, args.window)
         results.append({"model": scheme + (" gptq" if args.gptq else ""), "ppl": ppl,
                         "seconds": round(time.perf_counter() - start, 1), "linears": _linear_counts(model)})
+        results[-1].update(_mixed_summary(model))
         del model
     ref = results[0]["ppl"]
     print(f"{eval_ids.numel()} tokens, {args.window}-token windows")
@@ -163,7 +179,7 @@ def eval_ppl_main(argv=None) -> int:
         r["delta_pct"] = round(100.0 * (r["ppl"] / ref - 1.0), 3)
         counts = ", ".join(f"{n} {k}" for k, n in r.get("linears", {}).items())
         print(f"{r['model']:<28} ppl {r['ppl']:8.3f}  ({r['delta_pct']:+.2f}%)"
-              + (f"  linears: {counts}" if counts else ""))
+              + (f"  linears: {counts}" if counts else "") + (f"  {r['bpw']} bits/weight" if "bpw" in r else ""))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"environment": environment(), "command": " ".join(["ffl-eval-ppl", *sys.argv[1:]]),

@@ -8,6 +8,7 @@ from torch import nn
 
 from . import calibration
 from .file_pages import copy_out_of_file_mappings, file_mappings, page_out, release_free_heap
+from .mixed import mixed_config
 from .modules import MODULES, Int8Embedding, Int8Linear, QuantizedModule
 from .schemes import QuantConfig, resolve_steps
 from .weight_layout import share_sibling_packs
@@ -70,16 +71,20 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
 
     config: a QuantConfig, its dict, a scheme name ("int8", "int4", "int4-g32" and the like, "w8a8",
     "fp8"), a preset name ("int8-all", "int4-all": embedding and lm_head included) or a list of these,
-    applied in order.
+    applied in order; or "int4-mixed" / a `quant.mixed.MixedPrecision`: a format per linear chosen
+    by measured error under a bits-per-weight budget (its plan in `model._ffl_quant["mixed"]`).
     calibration_data: iterable of input_ids tensors ((1, L) or (B, L)); required by w8a8 with
     `static=True` or `smoothquant_alpha` set, and by algorithm="gptq". Layers that cannot take the
     scheme (int4 group size not dividing in_features) stay in high precision with a logged warning
     and are listed in `model._ffl_quant["kept"]`."""
-    steps = resolve_steps(config)
+    mixed = mixed_config(config)
+    steps, plan = mixed.steps(model, calibration_data) if mixed is not None else (resolve_steps(config), None)
     for step in steps:
         _quantize_step(model, step, calibration_data)
     if len(steps) > 1:
         getattr(model, STATE_ATTR)["config"] = [step.to_dict() for step in steps]
+    if plan is not None:
+        getattr(model, STATE_ATTR)["mixed"] = plan
     copy_out_of_file_mappings(model, skip=(QuantizedModule,))  # lets the replaced weights' pages go
     share_cpu_forms(model)
     release_free_heap()
