@@ -1,5 +1,5 @@
 """The "int4-mixed" preset: a format per linear under a bits-per-weight budget, chosen by measured
-error (output error with calibration data, weight error without)."""
+error (the model's last hidden state with calibration data, the layer's weight without)."""
 import copy
 
 import pytest
@@ -48,7 +48,7 @@ def test_int4_mixed_meets_its_budget_and_records_the_plan(calibrated):
     q = ffl_backend.quantize(copy.deepcopy(model), "int4-mixed", calibration_data=_calib() if calibrated else None)
     plan = getattr(q, STATE_ATTR)["mixed"]
     assert plan["budget_bpw"] == 5.0 and plan["bpw"] <= 5.0
-    assert plan["error"] == ("output" if calibrated else "weight")
+    assert plan["error"] == ("model" if calibrated else "weight")
     assert abs(_stored_bpw(q) - plan["bpw"]) < 1e-3  # the plan's bits are what the modules store
     linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n != "lm_head"]
     assert sorted(plan["formats"]) == sorted(linears)
