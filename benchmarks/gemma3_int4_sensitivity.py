@@ -1,6 +1,6 @@
 """How Gemma-3-270M's perplexity answers int4 formats per layer kind, and how much of it is noise.
 
-    flock /tmp/ffl_cpu.lock .venv/bin/python benchmarks/gemma3_int4_sensitivity.py [--tokens 8192]
+    .venv/bin/python benchmarks/gemma3_int4_sensitivity.py [--tokens 8192] --out gemma3_int4_sensitivity_<cpu>
 
 Perplexity (512-token windows, the first --tokens tokens of the bundled text, bf16) of:
 - int4 groups of 32 everywhere, of 64 everywhere, and 64 on one part (attention, MLP, q/k, v, o)
@@ -8,7 +8,7 @@ Perplexity (512-token windows, the first --tokens tokens of the bundled text, bf
 - int8 for one kind (v_proj, k_proj) with int4 groups of 32 elsewhere;
 - the bf16 model with Gaussian noise of 1% and 10% of each v_proj weight's std added, two seeds
   each: the spread a perplexity shows for noise of one size.
-Writes benchmarks/results/<--out>.json (default gemma3_int4_sensitivity_<tag>.json) with machine and versions.
+Writes benchmarks/results/<--out>.json with machine and versions.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=8192)
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", required=True, help="results file name without .json, naming the CPU")
     args = parser.parse_args(argv)
     env = environment()
     model, tok = ffl_backend.load_gemma3(torch.bfloat16)
@@ -87,8 +87,7 @@ def main(argv=None):
             add(f"bf16 + {relative:g} x std noise on v_proj, seed {seed}", with_noise(model, "v_proj", relative, seed))
     out = {"machine": env, "model": "gemma-3-270m (bundled), bfloat16", "tokens": int(ids.numel()), "window": 512,
            "results": rows}
-    name = args.out or f"gemma3_int4_sensitivity_{env.get('cpu_tag', 'cpu')}"
-    path = ROOT / "benchmarks" / "results" / f"{name}.json"
+    path = ROOT / "benchmarks" / "results" / f"{args.out}.json"
     path.write_text(json.dumps(out, indent=1) + "\n")
     print("wrote", path)
 

@@ -6,9 +6,9 @@
 - OptimizedInferenceEngine: 16 requests with prompts of 10..900 tokens submitted at once equal
   single-request generate; the pool's tensors and bytes never change; recompiles after warm-up: 0.
 
-    flock /tmp/ffl_cpu.lock .venv/bin/python benchmarks/gemma3_windows.py [--new 24] [--out NAME]
+    flock /tmp/ffl_cpu.lock .venv/bin/python benchmarks/gemma3_windows.py [--new 24] --out gemma3_windows_<cpu>
 
-Writes benchmarks/results/<NAME>.json (default gemma3_windows_<cpu tag>.json) with machine and versions.
+Writes benchmarks/results/<--out>.json with machine and versions.
 """
 from __future__ import annotations
 
@@ -90,7 +90,7 @@ def main(argv=None):
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--new", type=int, default=24, help="new tokens per request")
-    parser.add_argument("--out", default=None, help="results file name (without .json)")
+    parser.add_argument("--out", required=True, help="results file name without .json, naming the CPU")
     args = parser.parse_args(argv)
     env = environment()
     model, tok = ffl_backend.load_gemma3(torch.float32)
@@ -105,8 +105,7 @@ def main(argv=None):
            "reference_s": round(ref_s, 1),
            "optimize": check_optimize(model, opt_prompts, opt_refs, args.new),
            "engine": check_engine(model, eng_prompts, eng_refs, args.new)}
-    name = args.out or f"gemma3_windows_{env.get('cpu_tag', 'cpu')}"
-    path = ROOT / "benchmarks" / "results" / f"{name}.json"
+    path = ROOT / "benchmarks" / "results" / f"{args.out}.json"
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(json.dumps({k: out[k] for k in ("optimize", "engine")}, indent=1))
     print("wrote", path)
