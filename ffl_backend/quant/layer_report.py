@@ -20,8 +20,8 @@ from torch import nn
 from .. import numerics as P
 from .calibration import as_batches
 from .modules import MODULES
-from .quantizer import _keep_reason, select_linears
-from .schemes import resolve
+from .quantizer import _keep_reason
+from .schemes import resolve, select_linears
 
 DEFAULT_TARGET_SQNR = 25.0  # dB
 

@@ -24,7 +24,7 @@ import logging
 import torch
 from torch import nn
 
-from .schemes import DEFAULT_SKIP, QuantConfig
+from .schemes import DEFAULT_SKIP, QuantConfig, select_linears
 
 logger = logging.getLogger("ffl_backend")
 
@@ -49,8 +49,6 @@ class MixedPrecision:
 
     def steps(self, model: nn.Module, calibration_data=None) -> tuple[list[QuantConfig], dict]:
         """(the QuantConfig steps `quantize` applies, the plan: format per layer, average bpw)."""
-        from .quantizer import select_linears
-
         linears = select_linears(model, QuantConfig(scheme="int4", skip=self.skip))
         candidates = {name: [(label, QuantConfig(**fields, skip=())) for label, fields in TIERS
                              if _fits(lin, QuantConfig(**fields))] for name, lin in linears.items()}

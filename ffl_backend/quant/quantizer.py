@@ -10,7 +10,7 @@ from . import calibration
 from .file_pages import copy_out_of_file_mappings, file_mappings, page_out, release_free_heap
 from .mixed import mixed_config
 from .modules import MODULES, Int8Embedding, Int8Linear, QuantizedModule
-from .schemes import QuantConfig, resolve_steps
+from .schemes import QuantConfig, resolve_steps, select_linears
 from .weight_layout import share_sibling_packs
 
 logger = logging.getLogger("ffl_backend")
@@ -18,11 +18,6 @@ logger = logging.getLogger("ffl_backend")
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Attribute on the quantized model recording what was done (read by save_quantized and report).
 STATE_ATTR = "_ffl_quant"
-
-
-def select_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Linear]:
-    """Plain nn.Linear modules the config selects (already-quantized modules are not nn.Linear)."""
-    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear and config.selects(name)}
 
 
 def select_embeddings(model: nn.Module, config: QuantConfig) -> dict[str, nn.Embedding]:

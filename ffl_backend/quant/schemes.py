@@ -141,6 +141,14 @@ class QuantConfig:
         return cls(**d)
 
 
+def select_linears(model, config: QuantConfig) -> dict:
+    """{name: module} of the plain nn.Linear modules `config` selects (already-quantized modules are
+    not nn.Linear)."""
+    from torch import nn
+
+    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear and config.selects(name)}
+
+
 def resolve_steps(config) -> list[QuantConfig]:
     """The configs `quantize` applies in order: one for a config, dict or scheme name; a preset's
     steps for a preset name (PRESETS); each element's for a list."""
