@@ -3,14 +3,15 @@
 Each linear the preset selects gets one of a few formats (TIERS: int4 in groups of 128, 64, 32 --
 4.25, 4.5, 5.0 stored bits per weight with bf16 scales and zero points -- and int8 per channel, ~8).
 Every layer starts in the cheapest; then, greedily, the upgrade (layer, better format) that removes
-the most error per extra stored bit is taken while the model's average stays within the budget.
+the most error per extra stored bit is taken while the average over these linears stays within the
+budget.
 
 A layer's error is measured where it matters, at the model's output: with calibration data, the
 relative error ||h_q - h||^2 / ||h||^2 of the decoder's last hidden state on calibration tokens when
 only that layer takes that format (everything else in high precision); without, the layer's own
-relative weight error ||W_q - W||^2 / ||W||^2. The two disagree on Gemma-3: v_proj in groups of 64
-has a per-layer error 1.4x that of groups of 32 but raises perplexity by +51% against +11%
-(benchmarks/results/ppl_gemma3_int4_mixed_cpu_xeon.json holds what the allocation then chose).
+relative weight error ||W_q - W||^2 / ||W||^2. Per-layer errors mislead on Gemma-3: v_proj in
+groups of 64 raises perplexity by +51% against +11% for groups of 32
+(benchmarks/results/gemma3_int4_sensitivity_cpu_xeon.json), far beyond its own error's difference.
 
 Bits are what the quantized module stores (codes, scales, zero points; not the bias), so the budget
 is met in memory, not only on paper. The average covers the linears the preset quantizes (the
