@@ -74,10 +74,11 @@ if HAS_TRITON:
     @triton.jit
     def scores(q, k, scale, softcap, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
         """Scaled (and, softcap > 0, soft-capped) scores in the exp2 domain. tanh(x) = 1 - 2 / (e^2x + 1):
-        saturates cleanly at both ends, and the interpreter and every Triton version have exp."""
+        saturates cleanly at both ends, and the interpreter and every Triton version have exp. 2x is
+        capped at 60 (tanh is 1 in fp32 long before) so exp never overflows."""
         s = dot(q, k, DOT_PREC, UPCAST) * scale
         if softcap > 0:
-            s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
+            s = softcap * (1.0 - 2.0 / (tl.exp(tl.minimum(2.0 * s / softcap, 60.0)) + 1.0))
         return s * 1.4426950408889634
 
     @triton.jit
