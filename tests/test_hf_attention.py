@@ -36,19 +36,26 @@ def test_registration_happens_in_optimize_not_at_import():
     subprocess.run([sys.executable, "-c", code], check=True, timeout=300)
 
 
-def test_left_padded_batch_matches_each_prompt_alone():
-    model = tiny_model("llama")
-    prompts = [torch.randint(3, 128, (n,)) for n in (5, 9, 3, 12)]
-    alone = [_greedy(model, p[None])[0, len(p):] for p in prompts]  # HF defaults, before optimize
-    ffl_backend.optimize(model, max_batch_size=4, max_seq_len=64, **FAST)
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(4, width, dtype=torch.long)
-    mask = torch.zeros(4, width, dtype=torch.long)
+def _optimized_batch_matches_each_prompt_alone(model, lengths, max_seq_len):
+    """Greedy tokens of each prompt alone (HF defaults, before optimize), then of all of them as one
+    left-padded batch after optimize: row by row equal. Returns the prompts and their tokens."""
+    prompts = [torch.randint(3, 128, (n,)) for n in lengths]
+    alone = [_greedy(model, p[None])[0, len(p):] for p in prompts]
+    ffl_backend.optimize(model, max_batch_size=len(prompts), max_seq_len=max_seq_len, **FAST)
+    width = max(lengths)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
     for row, p in enumerate(prompts):
         ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
     batch = _greedy(model, ids, attention_mask=mask, pad_token_id=0)[:, width:]
     for row, expected in enumerate(alone):
         assert torch.equal(batch[row], expected), f"row {row} (prompt {len(prompts[row])} tokens) differs"
+    return prompts, alone
+
+
+def test_left_padded_batch_matches_each_prompt_alone():
+    model = tiny_model("llama")
+    prompts, alone = _optimized_batch_matches_each_prompt_alone(model, (5, 9, 3, 12), max_seq_len=64)
     for p, expected in zip(prompts, alone):  # and batch 1 through the same optimized model
         assert torch.equal(_greedy(model, p[None])[0, len(p):], expected)
 
@@ -93,17 +100,7 @@ def test_sliding_window_left_padded_batch_matches_each_prompt_alone(kind, no_fal
     if kind.startswith("gemma2"):
         no_fallbacks.unfused_ok = ("tanh",)
     model = sliding_model(kind)
-    prompts = [torch.randint(3, 128, (n,)) for n in (3, 9, 14, 5)]
-    alone = [_greedy(model, p[None])[0, len(p):] for p in prompts]
-    ffl_backend.optimize(model, max_batch_size=4, max_seq_len=40, **FAST)
-    width = max(len(p) for p in prompts)
-    ids = torch.zeros(4, width, dtype=torch.long)
-    mask = torch.zeros(4, width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - len(p):], mask[row, width - len(p):] = p, 1
-    batch = _greedy(model, ids, attention_mask=mask, pad_token_id=0)[:, width:]
-    for row, expected in enumerate(alone):
-        assert torch.equal(batch[row], expected), f"row {row} (prompt {len(prompts[row])} tokens) differs"
+    _optimized_batch_matches_each_prompt_alone(model, (3, 9, 14, 5), max_seq_len=40)
     _assert_window_sized(model, window=6, max_seq_len=40)
 
 
