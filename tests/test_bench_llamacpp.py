@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from ffl_backend.bench import gguf_export, llamacpp
+from tests.tiny_models import perturb_vectors
 
 SEED, INIT = 22, 0.3  # a tiny model whose greedy logits keep their top two apart (checked where it matters)
 PROMPT = list(range(3, 19))
@@ -45,11 +46,7 @@ def _tiny_llama(folder, tied: bool):
                          num_key_value_heads=2, intermediate_size=96, max_position_embeddings=256,
                          initializer_range=INIT, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
                          pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
+    model = perturb_vectors(AutoModelForCausalLM.from_config(config).eval(), 0.1)
     model.save_pretrained(folder)
     _bpe_tokenizer(folder)
     return model
@@ -204,11 +201,7 @@ def _tiny_gemma3(folder):
                               num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, intermediate_size=96,
                               sliding_window=8, max_position_embeddings=256, initializer_range=INIT,
                               bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.3)
+    model = perturb_vectors(AutoModelForCausalLM.from_config(config).eval(), 0.3)
     model.save_pretrained(folder)
     _bpe_tokenizer(folder)
     return model

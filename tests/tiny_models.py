@@ -41,13 +41,16 @@ def tiny_model(arch: str, dtype=torch.float32, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch), dtype=dtype).eval()
-    # Random init leaves norm weights at exactly 1 (and Gemma's at 0); perturb them so a wrong
-    # cast order or a dropped weight would show in the logits.
+    return perturb_vectors(AutoModelForCausalLM.from_config(tiny_config(arch), dtype=dtype).eval())
+
+
+def perturb_vectors(model, scale: float = 0.1):
+    """Random init leaves norm weights at exactly 1 (and Gemma's at 0); add noise to every 1-D
+    parameter so a wrong cast order or a dropped weight would show in the logits. Returns model."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
+                p.add_(torch.randn_like(p) * scale)
     return model
 
 
@@ -58,7 +61,7 @@ SLIDING_KINDS = ("mistral", "gemma2", "gemma2_softcap", "gemma3")
 def sliding_model(kind: str, window: int = 6, seed: int = 0):
     """A tiny model with sliding-window layers: Mistral (every layer sliding), Gemma-2 (sliding and
     full layers alternate; "_softcap" adds its attention and final logit soft-capping), Gemma-3
-    (five sliding layers per global one, QK-norm, one KV head). Norm weights perturbed as in tiny_model."""
+    (five sliding layers per global one, QK-norm, one KV head), 1-D weights perturbed."""
     import transformers as T
 
     torch.manual_seed(seed)
@@ -75,12 +78,7 @@ def sliding_model(kind: str, window: int = 6, seed: int = 0):
                                     query_pre_attn_scalar=16, sliding_window=window)
     else:
         raise ValueError(kind)
-    model = T.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(torch.randn_like(p) * 0.1)
-    return model
+    return perturb_vectors(T.AutoModelForCausalLM.from_config(config).eval())
 
 def save_tiny_folder(folder, arch: str = "llama"):
     """A tiny random model with a word-level tokenizer over the benchmark's default text, saved as a
