@@ -33,7 +33,7 @@ def _ieee_div(t: Tensor, divisor: float) -> Tensor:
     return t / torch.tensor(divisor, dtype=t.dtype, device=t.device)
 
 
-def _stored(scale: Tensor, dtype: torch.dtype) -> Tensor:
+def stored_scale(scale: Tensor, dtype: torch.dtype) -> Tensor:
     """Round the scale to its storage dtype, then continue in fp32/fp64 with exactly that value."""
     return scale.clamp_min(SCALE_EPS).to(dtype).to(scale.dtype).clamp_min(SCALE_EPS)
 
@@ -54,7 +54,7 @@ def quantize_int8(w: Tensor, scale_dtype: torch.dtype | None = None,
     rows = max(1, block_elements // max(1, w.shape[1]))
     for start in range(0, w.shape[0], rows):
         wf = w[start:start + rows].to(acc_dtype(w))
-        s = _stored(_ieee_div(wf.abs().amax(dim=1), INT8_MAX), out_dtype)
+        s = stored_scale(_ieee_div(wf.abs().amax(dim=1), INT8_MAX), out_dtype)
         q[start:start + rows] = torch.round(wf / s[:, None]).clamp_(-INT8_MAX, INT8_MAX)
         scale[start:start + rows] = s
     return q, scale
@@ -89,10 +89,10 @@ def int4_scale_zero(lo: Tensor, hi: Tensor, symmetric: bool, dtype: torch.dtype)
     returned in lo's (fp32/fp64) dtype. Shared by round-to-nearest and GPTQ, so both produce
     codes on exactly the grid that the stored scale and zero dequantize."""
     if symmetric:
-        scale = _stored(torch.maximum(_ieee_div(-lo, 8.0), _ieee_div(hi, 7.0)), dtype)
+        scale = stored_scale(torch.maximum(_ieee_div(-lo, 8.0), _ieee_div(hi, 7.0)), dtype)
         return scale, torch.full_like(scale, 8.0)
     lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
-    scale = _stored(_ieee_div(hi - lo, 15.0), dtype)
+    scale = stored_scale(_ieee_div(hi - lo, 15.0), dtype)
     return scale, (-lo / scale).to(dtype).to(scale.dtype)
 
 
@@ -126,7 +126,7 @@ def dequantize_int4(packed: Tensor, scale: Tensor, zero: Tensor, group_size: int
 def quantize_fp8(w: Tensor) -> tuple[Tensor, Tensor]:
     """(q float8_e4m3fn (N, K), scale (N,) fp32 = row absmax / 448)."""
     wf = w.to(acc_dtype(w))
-    scale = _stored(_ieee_div(wf.abs().amax(dim=1), FP8_MAX), torch.float32)
+    scale = stored_scale(_ieee_div(wf.abs().amax(dim=1), FP8_MAX), torch.float32)
     q = (wf / scale[:, None]).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale.float()
 

@@ -121,6 +121,31 @@ def collect(model: nn.Module, names: list[str], calibration_data) -> tuple[dict,
     return absmax, {n: torch.cat(v) for n, v in token_absmax.items() if v}, groups
 
 
+@torch.no_grad()
+def input_mean_squares(model: nn.Module, names: list[str], calibration_data) -> dict[str, Tensor]:
+    """{name: (K,) fp32 mean over calibration tokens of each input channel's square} for the named
+    linears: the diagonal of X^T X / T, what an input channel's weight errors cost at the output."""
+    modules = dict(model.named_modules())
+    sums: dict[str, Tensor] = {}
+    counts = dict.fromkeys(names, 0)
+
+    def hook(name):
+        def fn(_module, args):
+            rows = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            sums[name] = rows.square().sum(0) + sums.get(name, 0.0)
+            counts[name] += rows.shape[0]
+        return fn
+
+    handles = [modules[n].register_forward_pre_hook(hook(n)) for n in names]
+    try:
+        for ids in as_batches(calibration_data):
+            model(input_ids=ids.to(_device(model)), use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {n: (sums[n] / counts[n]).float() for n in names if n in sums}
+
+
 def token_range_ratio(token_absmax: Tensor, quantile: float = 0.99) -> float:
     """Largest token's range over the `quantile` token's: how much one static per-tensor scale
     (set by the largest) coarsens the grid for typical tokens. Attention-sink tokens make this large

@@ -17,6 +17,7 @@ import time
 import torch
 
 from ..bench.grid import environment
+from .schemes import INT4_GRIDS
 
 WINDOW = 512
 # GPTQ's Hessians want more tokens than w8a8's ranges; beyond this many perplexity did not improve
@@ -24,12 +25,17 @@ WINDOW = 512
 GPTQ_CALIB_TOKENS = 8192
 
 
-def perplexity(model, ids: torch.Tensor, window: int = WINDOW) -> float:
-    """exp(mean next-token NLL) over consecutive non-overlapping `window`-token windows of `ids` (1-D)."""
+def perplexity(model, ids: torch.Tensor, window: int = WINDOW, bos: int | None = None) -> float:
+    """exp(mean next-token NLL) over consecutive non-overlapping `window`-token windows of `ids` (1-D).
+
+    With `bos`, every window starts with it (window - 1 text tokens each), as the model saw text in training
+    (llama.cpp's perplexity does the same): Gemma without it in front loses its attention sink.
+    """
     total_nll, total = 0.0, 0
+    step = window - (bos is not None)
     with torch.no_grad():
-        for start in range(0, ids.numel() - 1, window):
-            chunk = ids[start:start + window][None]
+        for start in range(0, ids.numel() - 1, step):
+            chunk = _with_bos(ids[start:start + step], bos)[None]
             if chunk.shape[1] < 2:
                 break
             logits = model(input_ids=chunk, use_cache=False).logits.float()
@@ -37,6 +43,10 @@ def perplexity(model, ids: torch.Tensor, window: int = WINDOW) -> float:
             total_nll += nll.item()
             total += chunk.shape[1] - 1
     return math.exp(total_nll / total)
+
+
+def _with_bos(tokens: torch.Tensor, bos: int | None) -> torch.Tensor:
+    return tokens if bos is None else torch.cat([tokens.new_tensor([bos]), tokens])
 
 
 def _load(args):
@@ -64,6 +74,7 @@ def _config(args, scheme: str):
     kwargs = {**scheme_name_fields(scheme), "skip": skip}
     if kwargs["scheme"] == "int4":
         kwargs.setdefault("group_size", args.group_size)
+        kwargs["grid"] = args.int4_grid
     if kwargs["scheme"] == "w8a8":
         kwargs.update(static=args.static, smoothquant_alpha=args.alpha, static_range_limit=args.static_range_limit,
                       clip_search=args.clip_search, min_output_sqnr=args.min_output_sqnr)
@@ -72,16 +83,22 @@ def _config(args, scheme: str):
     return QuantConfig(**kwargs)
 
 
-def _tokens(tokenizer, path: str) -> torch.Tensor:
+def _tokens(tokenizer, path: str) -> tuple[torch.Tensor, int | None]:
+    """The text's tokens without a leading BOS, and that BOS id when the tokenizer starts texts with one."""
     with open(path, encoding="utf-8") as fh:
-        return tokenizer(fh.read(), return_tensors="pt").input_ids[0]
+        ids = tokenizer(fh.read(), return_tensors="pt").input_ids[0]
+    bos = tokenizer.bos_token_id
+    if bos is not None and ids.numel() and ids[0].item() == bos:
+        return ids[1:], bos
+    return ids, None
 
 
-def _calibration(ids: torch.Tensor, start: int, n_tokens: int, window: int = WINDOW):
+def _calibration(ids: torch.Tensor, start: int, n_tokens: int, window: int = WINDOW, bos: int | None = None):
     calib = ids[start:start + n_tokens]
     if calib.numel() < 2:
         calib = ids[:n_tokens]  # a text too short for a disjoint calibration slice
-    return [calib[i:i + window][None] for i in range(0, calib.numel(), window)]
+    step = window - (bos is not None)
+    return [_with_bos(calib[i:i + step], bos)[None] for i in range(0, calib.numel(), step)]
 
 
 def _alpha(text: str):
@@ -104,7 +121,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         help="w8a8: keep layers whose calibration output SQNR (dB) is below this in high precision")
     parser.add_argument("--static-range-limit", type=float, default=8.0,
                         help="w8a8 static: token range ratio above which a layer keeps per-token scales")
-    parser.add_argument("--calib-tokens", type=int, default=2048)
+    parser.add_argument("--int4-grid", choices=INT4_GRIDS, default=None,
+                        help="int4 schemes (not presets): 'fit' (default: least weighted error) or 'minmax'")
+    parser.add_argument("--calib-tokens", type=int, default=2048,
+                        help="calibration tokens taken after the evaluated ones (ffl-eval-ppl: 0 = quantize "
+                             "without calibration data, as quantize(model, scheme) does)")
     parser.add_argument("--skip", nargs="*", default=[],
                         help="more fnmatch patterns of layers to keep in high precision (e.g. from the report)")
     parser.add_argument("--quantize-embeddings", action="store_true",
@@ -157,24 +178,24 @@ def eval_ppl_main(argv=None) -> int:
                              f"ones (default {GPTQ_CALIB_TOKENS} with --gptq)")
     parser.set_defaults(calib_tokens=None)  # 2048, or GPTQ_CALIB_TOKENS with --gptq
     args = parser.parse_args(argv)
-    calib_tokens = args.calib_tokens or (GPTQ_CALIB_TOKENS if args.gptq else 2048)
+    calib_tokens = args.calib_tokens if args.calib_tokens is not None else (GPTQ_CALIB_TOKENS if args.gptq else 2048)
     from .quantizer import quantize
 
     base, tokenizer = _load(args)
-    ids = _tokens(tokenizer, args.text)
+    ids, bos = _tokens(tokenizer, args.text)
     eval_ids = ids[:args.max_tokens]
-    calib = _calibration(ids, eval_ids.numel(), calib_tokens, args.window)
-    results = [{"model": f"high precision ({args.dtype})", "ppl": perplexity(base, eval_ids, args.window)}]
+    calib = _calibration(ids, eval_ids.numel(), calib_tokens, args.window, bos) if calib_tokens else None
+    results = [{"model": f"high precision ({args.dtype})", "ppl": perplexity(base, eval_ids, args.window, bos)}]
     for scheme in args.schemes:
         start = time.perf_counter()
         model = quantize(copy.deepcopy(base), _config(args, scheme), calibration_data=calib)
-        ppl = perplexity(model, eval_ids, args.window)
+        ppl = perplexity(model, eval_ids, args.window, bos)
         results.append({"model": scheme + (" gptq" if args.gptq else ""), "ppl": ppl,
                         "seconds": round(time.perf_counter() - start, 1), "linears": _linear_counts(model)})
         results[-1].update(_mixed_summary(model))
         del model
     ref = results[0]["ppl"]
-    print(f"{eval_ids.numel()} tokens, {args.window}-token windows")
+    print(f"{eval_ids.numel()} tokens, {args.window}-token windows" + (", each starting with BOS" if bos else ""))
     for r in results:
         r["delta_pct"] = round(100.0 * (r["ppl"] / ref - 1.0), 3)
         counts = ", ".join(f"{n} {k}" for k, n in r.get("linears", {}).items())
@@ -183,7 +204,8 @@ def eval_ppl_main(argv=None) -> int:
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"environment": environment(), "command": " ".join(["ffl-eval-ppl", *sys.argv[1:]]),
-                       "tokens": eval_ids.numel(), "window": args.window, "results": results}, fh, indent=1)
+                       "tokens": eval_ids.numel(), "window": args.window,
+                       "bos_per_window": bos is not None, "results": results}, fh, indent=1)
     return 0
 
 
@@ -198,8 +220,8 @@ def quant_report_main(argv=None) -> int:
     from .layer_report import format_table, report
 
     model, tokenizer = _load(args)
-    ids = _tokens(tokenizer, args.text)
-    rep = report(model, _config(args, args.scheme), _calibration(ids, 0, args.calib_tokens),
+    ids, bos = _tokens(tokenizer, args.text)
+    rep = report(model, _config(args, args.scheme), _calibration(ids, 0, args.calib_tokens, bos=bos),
                  target_sqnr=args.target, max_tokens=args.max_tokens)
     print(format_table(rep, args.limit))
     if args.json:

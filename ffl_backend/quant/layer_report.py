@@ -52,6 +52,8 @@ def capture_inputs(model: nn.Module, names: list[str], calibration_data, max_tok
 
 def _layer_errors(name: str, linear: nn.Linear, x: torch.Tensor, cfg) -> dict:
     extra = {"x_absmax": x.abs().max().item() if cfg.static else None} if cfg.scheme == "w8a8" else {}
+    if cfg.fits_grid:  # as quantize() with calibration data: inputs' mean squares weigh the int4 grid fit
+        extra = {"importance": x.double().square().mean(0).float()}
     qm = MODULES[cfg.scheme].from_linear(linear, cfg, **extra)
     w = linear.weight.detach()
     exact = nn.functional.linear(x.double(), w.double(), None if linear.bias is None else linear.bias.double())

@@ -9,9 +9,9 @@ budget.
 A layer's error is measured where it matters, at the model's output: with calibration data, the
 relative error ||h_q - h||^2 / ||h||^2 of the decoder's last hidden state on calibration tokens when
 only that layer takes that format (everything else in high precision); without, the layer's own
-relative weight error ||W_q - W||^2 / ||W||^2. Per-layer errors mislead on Gemma-3: v_proj in
-groups of 64 raises perplexity by +51% against +11% for groups of 32
-(benchmarks/results/gemma3_int4_sensitivity_cpu_xeon.json), far beyond its own error's difference.
+relative weight error ||W_q - W||^2 / ||W||^2. A layer's own error says little of what it costs at
+the output: how much a layer's error grows on its way there differs by layer type and depth. int4
+candidates are fitted as `quantize` fits them (quant/int4_fit.py, weighted by calibration inputs).
 
 Bits are what the quantized module stores (codes, scales, zero points; not the bias), so the budget
 is met in memory, not only on paper. The average covers the linears the preset quantizes (the
@@ -25,6 +25,7 @@ import logging
 import torch
 from torch import nn
 
+from .calibration import as_batches, input_mean_squares
 from .schemes import DEFAULT_SKIP, QuantConfig, select_linears
 
 logger = logging.getLogger("ffl_backend")
@@ -83,6 +84,8 @@ def _costs(model, linears: dict, candidates: dict, calibration_data, max_tokens:
 
     ids = _calibration_ids(calibration_data, max_tokens)
     ids = ids.to(next(model.parameters()).device) if ids is not None else None
+    # int4 candidates are fitted as quantize() will fit them: weighted by inputs on all the calibration data
+    importance = input_mean_squares(model, list(candidates), calibration_data) if ids is not None else {}
     decoder = model.get_decoder()
     exact = decoder(input_ids=ids).last_hidden_state.double() if ids is not None else None
     costs = {}
@@ -90,7 +93,8 @@ def _costs(model, linears: dict, candidates: dict, calibration_data, max_tokens:
         linear, row = linears[name], []
         original = linear.weight.data
         for _, cfg in formats:
-            qm = MODULES[cfg.scheme].from_linear(linear, cfg)
+            extra = {"importance": importance.get(name)} if cfg.fits_grid else {}
+            qm = MODULES[cfg.scheme].from_linear(linear, cfg, **extra)
             stored = sum(t.numel() * t.element_size() for k, t in qm.state_dict().items() if k != "bias")
             approx = qm.dequantized_weight().to(original.dtype)
             if exact is None:
@@ -112,8 +116,6 @@ def _calibration_ids(calibration_data, max_tokens: int):
     """The first `max_tokens` calibration tokens as one (1, T) batch, or None."""
     if calibration_data is None:
         return None
-    from .calibration import as_batches
-
     rows = [ids.reshape(-1) for ids in as_batches(calibration_data)]
     return torch.cat(rows)[:max_tokens][None] if rows else None
 

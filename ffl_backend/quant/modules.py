@@ -14,6 +14,7 @@ from torch import Tensor, nn
 
 from .. import numerics as P
 from ..kernels import quant_linear as K
+from .int4_fit import quantize_int4_fitted
 from .schemes import QuantConfig
 
 ALIGN = 64  # bytes: a cache line, and what torch's CPU allocator gives
@@ -110,12 +111,16 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("cpu_scale_zeros", None, persistent=False)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, config: QuantConfig, quantized=None) -> "Int4Linear":
+    def from_linear(cls, linear: nn.Linear, config: QuantConfig, quantized=None,
+                    importance: Tensor | None = None) -> "Int4Linear":
         """quantized: precomputed (codes uint8 (N, K) in 0..15, scale, zero (N, K//G)) on the group
-        size `config` gives this layer, e.g. from GPTQ; default round-to-nearest."""
+        size `config` gives this layer, e.g. from GPTQ; default round-to-nearest on the grid
+        `config.grid` names. importance: (K,) mean square of each input channel on calibration data."""
         w = linear.weight.detach()
         group = config.group_for(linear.in_features)
         m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta", group)
+        if quantized is None and config.fits_grid:
+            quantized = quantize_int4_fitted(w, group, config.is_symmetric, importance=importance)
         q, m.scale, m.zero = quantized if quantized is not None else P.quantize_int4(w, group, config.is_symmetric)
         if m.scale.shape != (linear.out_features, linear.in_features // group):
             raise ValueError(f"int4 scale shape {tuple(m.scale.shape)} does not match group size {group}")

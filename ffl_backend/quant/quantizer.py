@@ -69,7 +69,8 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     applied in order; or "int4-mixed" / a `quant.mixed.MixedPrecision`: a format per linear chosen
     by measured error under a bits-per-weight budget (its plan in `model._ffl_quant["mixed"]`).
     calibration_data: iterable of input_ids tensors ((1, L) or (B, L)); required by w8a8 with
-    `static=True` or `smoothquant_alpha` set, and by algorithm="gptq". Layers that cannot take the
+    `static=True` or `smoothquant_alpha` set, and by algorithm="gptq"; int4 uses it when given to
+    weigh each input channel's rounding error (quant/int4_fit.py). Layers that cannot take the
     scheme (int4 group size not dividing in_features) stay in high precision with a logged warning
     and are listed in `model._ffl_quant["kept"]`."""
     mixed = mixed_config(config)
@@ -131,10 +132,14 @@ def _quantize_embeddings(model: nn.Module, cfg: QuantConfig, by_weight: dict, ke
 
 
 def _calibrate(model, targets: dict, cfg: QuantConfig, calibration_data, kept: dict | None = None) -> dict:
-    """{name: extra from_linear kwargs} from calibration (w8a8 static ranges, SmoothQuant, GPTQ).
+    """{name: extra from_linear kwargs} from calibration (int4 fitted grids' input importance, w8a8
+    static ranges, SmoothQuant, GPTQ).
     Layers that the w8a8 error search keeps in high precision move from `targets` to `kept`."""
     if cfg.algorithm == "gptq":
         return _gptq(model, targets, cfg, calibration_data)
+    if cfg.fits_grid and calibration_data is not None and targets:
+        importance = calibration.input_mean_squares(model, list(targets), calibration_data)
+        return {n: {"importance": importance.get(n)} for n in targets}
     if cfg.scheme != "w8a8":
         return {}
     if not cfg.needs_calibration:

@@ -35,7 +35,7 @@ def test_unpack_declines_row_counts_of_another_layout(n):
 def _module(out_features, in_features=96):
     linear = torch.nn.Linear(in_features, out_features)
     codes, _, _ = P.quantize_int4(linear.weight.detach(), 32)
-    return Int4Linear.from_linear(linear, QuantConfig("int4", group_size=32)), P.pack_int4(codes)
+    return Int4Linear.from_linear(linear, QuantConfig("int4", group_size=32, grid="minmax")), P.pack_int4(codes)
 
 
 def test_module_keeps_one_copy_and_rebuilds_its_codes(int4_form):

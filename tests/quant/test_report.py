@@ -1,6 +1,8 @@
 """Per-layer report and perplexity on tiny models; the console scripts on SmolLM2 (slow)."""
 import copy
 import json
+import math
+import types
 from pathlib import Path
 
 import pytest
@@ -54,6 +56,40 @@ def test_perplexity_is_exp_of_the_model_loss(llama):
     assert perplexity(llama, ids, window=64) == pytest.approx(loss.exp().item(), rel=1e-4)
     windows = perplexity(llama, ids, window=16)  # 3 windows, 37 predictions
     assert 1.0 < windows < 1e4
+
+
+def test_perplexity_with_bos_starts_every_window_with_it(llama):
+    """With a BOS id, each window is BOS + window - 1 text tokens, every text token predicted once."""
+    ids = torch.randint(3, 128, (30,))
+    bos = 1
+    nll = []
+    with torch.no_grad():
+        for start in range(0, 30, 15):
+            chunk = torch.cat([torch.tensor([bos]), ids[start:start + 15]])[None]
+            nll.append(llama(chunk, labels=chunk).loss * 15)
+    expected = math.exp(sum(nll).item() / 30)
+    assert perplexity(llama, ids, window=16, bos=bos) == pytest.approx(expected, rel=1e-4)
+
+
+def test_text_tokens_drop_a_leading_bos_and_report_it(tmp_path):
+    from ffl_backend.quant.cli import _calibration, _tokens
+
+    class Tokenizer:
+        def __init__(self, bos):
+            self.bos_token_id = bos
+
+        def __call__(self, text, return_tensors):
+            body = [ord(c) for c in text]
+            return types.SimpleNamespace(input_ids=torch.tensor([([self.bos_token_id] if self.bos_token_id else [])
+                                                                 + body]))
+
+    path = tmp_path / "t.txt"
+    path.write_text("abcdefg")
+    ids, bos = _tokens(Tokenizer(7), str(path))
+    assert bos == 7 and ids.tolist() == [ord(c) for c in "abcdefg"]
+    assert _tokens(Tokenizer(None), str(path))[1] is None
+    windows = _calibration(ids, 0, 7, window=4, bos=bos)
+    assert [w.tolist() for w in windows] == [[[7, 97, 98, 99]], [[7, 100, 101, 102]], [[7, 103]]]
 
 
 @pytest.mark.slow
