@@ -117,9 +117,11 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     from .decode_loop import DecodeLoop
     from .generation import configure_generate
     from .quant.quantizer import quantize
+    from .quant.tensor_parallel import localize
     from .quant.weight_layout import share_fused_storage
 
     BackendOptions.parse(mode, backend_options)  # a typo fails here, not at the first decode step
+    localize(model)  # a transformers tensor-parallel model: plain local shards, local head counts
     cfg = _text_config(model.config)
     if max_seq_len is None:
         max_seq_len = default_max_seq_len(model.config)

@@ -116,6 +116,17 @@ class RequestStream:
         return self._done.result()
 
 
+def _refuse_tensor_parallel(model) -> None:
+    from ..quant.tensor_parallel import is_tensor_parallel, world_size
+
+    if is_tensor_parallel(model) or world_size(model) > 1:
+        raise NotImplementedError(
+            "OptimizedInferenceEngine serves from one process; a tensor-parallel model needs every rank's "
+            "scheduler to admit, preempt and sample in lock-step (requests broadcast from rank 0, the same "
+            "batches and block tables on every rank), which the engine does not do yet. Under torchrun use "
+            "ffl_backend.optimize(model) and generate() (examples/tensor_parallel_generate.py).")
+
+
 class OptimizedInferenceEngine:
     def __init__(self, model_or_path, *, max_batch_size: int = 4, max_seq_len: int = 2048, quant=None,
                  device=None, block_size: int = 16, tokenizer=None, num_blocks: int | None = None,
@@ -128,6 +139,7 @@ class OptimizedInferenceEngine:
         if max_batch_size < 1 or max_seq_len < 2 or block_size < 1:
             raise ValueError("max_batch_size >= 1, max_seq_len >= 2 and block_size >= 1 are required")
         model, tokenizer = _load(model_or_path, tokenizer, dtype)
+        _refuse_tensor_parallel(model)
         if quant is not None:
             from ..quant.quantizer import quantize
 

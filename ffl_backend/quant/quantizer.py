@@ -11,6 +11,7 @@ from .file_pages import copy_out_of_file_mappings, file_mappings, page_out, rele
 from .mixed import mixed_config
 from .modules import MODULES, Int8Embedding, Int8Linear, QuantizedModule
 from .schemes import QuantConfig, resolve_steps, select_linears
+from .tensor_parallel import carry_hooks, check_int4_groups, localize
 from .weight_layout import share_sibling_packs
 
 logger = logging.getLogger("ffl_backend")
@@ -56,8 +57,18 @@ def _warn_kept(cfg: QuantConfig, kept: dict) -> None:
 
 
 def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    """Put `module` in place of the one called `name`, keeping its hooks (a tensor-parallel all-reduce)."""
+    carry_hooks(model.get_submodule(name), module)
     parent_name, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent_name) if parent_name else model, child, module)
+
+
+def _check_shards(model: nn.Module, steps: list) -> None:
+    """Tensor-parallel shards an int4 group size cannot divide: an error before any layer is quantized."""
+    for step in steps:
+        if step.scheme == "int4":
+            for name, linear in select_linears(model, step).items():
+                check_int4_groups(name, linear, step.group_size)
 
 
 @torch.no_grad()
@@ -73,8 +84,10 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     weigh each input channel's rounding error (quant/int4_fit.py). Layers that cannot take the
     scheme (int4 group size not dividing in_features) stay in high precision with a logged warning
     and are listed in `model._ffl_quant["kept"]`."""
+    localize(model)  # a transformers tensor-parallel model: plain local shards (quant/tensor_parallel.py)
     mixed = mixed_config(config)
     steps, plan = mixed.steps(model, calibration_data) if mixed is not None else (resolve_steps(config), None)
+    _check_shards(model, steps)
     for step in steps:
         _quantize_step(model, step, calibration_data)
     if len(steps) > 1:
