@@ -21,6 +21,16 @@ import torch
 import torch.distributed as dist
 
 
+def all_reduce_seconds(hidden: int, calls: int = 200) -> float:
+    """Mean time of one all-reduce of a decode step's hidden vector (1, 1, hidden) fp32 over the ranks."""
+    x = torch.ones(1, 1, hidden)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(x)
+    return (time.perf_counter() - start) / calls
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a Hugging Face model folder (default: bundled SmolLM2-135M)")
@@ -45,8 +55,12 @@ def main() -> None:
     out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
     seconds = time.perf_counter() - start
     tokens = out[0, ids.shape[1]:]
+    reduce_s = all_reduce_seconds(model.config.hidden_size)
     if rank == 0:
-        print(f"{world} ranks, quant={quant}: {args.new_tokens / seconds:.1f} tok/s\n"
+        step_s = seconds / args.new_tokens
+        per_step = 2 * model.config.num_hidden_layers  # after attention and after the MLP of every layer
+        print(f"{world} ranks, quant={quant}: {1 / step_s:.1f} tok/s; one all-reduce of a hidden vector "
+              f"{reduce_s * 1e6:.0f} us, x{per_step} per step = {100 * per_step * reduce_s / step_s:.0f}% of a step\n"
               f"{tokenizer.decode(tokens, skip_special_tokens=True)!r}")
     if args.check and rank == 0:
         whole = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()

@@ -48,42 +48,44 @@ def _single_process(folder: str, quant: str | None) -> tuple[list, torch.Tensor]
     return out[0, len(PROMPT):].tolist(), logits
 
 
-def _run_ranks(folder: str, cases: list, out: pathlib.Path, ranks: int = 2) -> list[dict]:
+def _run_ranks(folders: list, cases: list, out: pathlib.Path, ranks: int = 2) -> list[dict]:
     out.mkdir(exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", str(WORKER),
-           "--folder", folder, "--cases", *cases, "--prompt", *map(str, PROMPT), "--new-tokens", str(NEW_TOKENS),
+           "--folders", *folders, "--cases", *cases, "--prompt", *map(str, PROMPT), "--new-tokens", str(NEW_TOKENS),
            "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(ranks)]
 
 
-def _check(tmp_path, arch: str, cases: list) -> None:
+def _check(tmp_path, archs: list, cases: list) -> None:
     """Tokens equal the whole model's; "logits" cases (the localized model's, unquantized) match to fp32
-    rounding, which tokens of a tiny model that repeats one token could not show."""
-    folder = _folder(tmp_path, arch)
-    expected = {q: _single_process(folder, None if q == "none" else q) for q in {c.split(":")[1] for c in cases}}
-    for rank, results in enumerate(_run_ranks(folder, cases, tmp_path / "out")):
-        for case in cases:
-            entry, quant = case.split(":")
-            tokens, logits = expected[quant]
-            if entry == "logits":
-                torch.testing.assert_close(torch.tensor(results[case]), logits, rtol=1e-4, atol=1e-4,
-                                           msg=lambda m: f"{arch} {case} rank {rank}: {m}")
-            else:
-                assert results[case] == tokens, f"{arch} {case} rank {rank}: {results[case]}"
+    rounding, which tokens of a tiny model that repeats one token could not show. One launch for all."""
+    folders = {arch: _folder(tmp_path, arch) for arch in archs}
+    quants = {c.split(":")[1] for c in cases}
+    expected = {(a, q): _single_process(f, None if q == "none" else q) for a, f in folders.items() for q in quants}
+    for rank, results in enumerate(_run_ranks(list(folders.values()), cases, tmp_path / "out")):
+        for arch, folder in folders.items():
+            for case in cases:
+                entry, quant = case.split(":")
+                got, (tokens, logits) = results[f"{folder}|{case}"], expected[arch, quant]
+                if entry == "logits":
+                    torch.testing.assert_close(torch.tensor(got), logits, rtol=1e-4, atol=1e-4,
+                                               msg=lambda m: f"{arch} {case} rank {rank}: {m}")
+                else:
+                    assert got == tokens, f"{arch} {case} rank {rank}: {got}"
 
 
 def test_llama_two_ranks_equal_one_process_under_every_entry_point(tmp_path):
-    _check(tmp_path, "llama", ["logits:none", "eager:none", "compile:none", "model_compile:none", "optimize:none",
-                               "compile:int8", "optimize:int8", "optimize:int4"])
+    _check(tmp_path, ["llama"], ["logits:none", "eager:none", "compile:none", "model_compile:none",
+                                 "optimize:none", "compile:int8", "optimize:int8", "optimize:int4"])
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", [a for a in TP_ARCHS if a != "llama"])
-def test_architectures_two_ranks_equal_one_process(tmp_path, arch):
-    _check(tmp_path, arch, ["logits:none", "compile:none", "optimize:int8", "optimize:int4"])
+def test_architectures_two_ranks_equal_one_process(tmp_path):
+    _check(tmp_path, [a for a in TP_ARCHS if a != "llama"], ["logits:none", "compile:none", "optimize:int8",
+                                                              "optimize:int4"])
 
 
 def test_gpt2_has_no_plan_to_shard_with():

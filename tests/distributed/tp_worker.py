@@ -1,8 +1,8 @@
 """One rank of a tensor-parallel check, launched by tests/test_tensor_parallel.py under torch.distributed.run.
 
-Loads `--folder` with transformers' `tp_plan="auto"` (gloo on CPU) once per case, runs the case's entry
-point on it and greedy-generates `--new-tokens` from `--prompt`; every rank writes
-{case: tokens or the error message} as JSON to `--out`/rank<N>.json.
+Loads each of `--folders` with transformers' `tp_plan="auto"` (gloo on CPU) once per case, runs the case's
+entry point on it and greedy-generates `--new-tokens` from `--prompt`; every rank writes
+{"<folder>|<case>": tokens or the error message} as JSON to `--out`/rank<N>.json.
 Cases are "<entry>:<quant>": entry compile (torch.compile(model, backend="fastflow") with quantize() first
 when quant is set), model_compile (model.compile(backend="fastflow")), optimize (optimize(model, quant=...)),
 eager (plain generate), logits (localize, or quantize, then the last position's logits instead of tokens);
@@ -45,7 +45,7 @@ def run_case(folder: str, case: str, prompt: torch.Tensor, new_tokens: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--folder", required=True)
+    parser.add_argument("--folders", nargs="+", required=True)
     parser.add_argument("--cases", nargs="+", required=True)
     parser.add_argument("--prompt", type=int, nargs="+", required=True)
     parser.add_argument("--new-tokens", type=int, default=8)
@@ -54,12 +54,13 @@ def main() -> None:
     torch.manual_seed(0)
     prompt = torch.tensor([args.prompt])
     results = {}
-    for case in args.cases:
-        try:
-            results[case] = run_case(args.folder, case, prompt, args.new_tokens)
-        except Exception as exc:  # reported to the test, which shows it
-            results[case] = f"{type(exc).__name__}: {exc}"
-        torch._dynamo.reset()
+    for folder in args.folders:
+        for case in args.cases:
+            try:
+                results[f"{folder}|{case}"] = run_case(folder, case, prompt, args.new_tokens)
+            except Exception as exc:  # reported to the test, which shows it
+                results[f"{folder}|{case}"] = f"{type(exc).__name__}: {exc}"
+            torch._dynamo.reset()
     rank = int(os.environ["RANK"])
     pathlib.Path(args.out, f"rank{rank}.json").write_text(json.dumps(results))
     if dist.is_initialized():

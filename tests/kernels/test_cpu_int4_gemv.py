@@ -159,7 +159,10 @@ def test_generate_runs_every_int4_linear_on_the_kernel(dtype):
     assert calls == 7 * LAYERS + 9 * 4 * LAYERS  # the prefill's symbolic-length graph is not fused
     if dtype == torch.float32:
         assert torch.equal(compiled.sequences, eager.sequences)
-    for a, b in zip(compiled.logits, eager.logits):
+    # bf16 greedy may part on a near tie; the logits are comparable up to that step (same prefix)
+    differ = (compiled.sequences != eager.sequences)[0, ids.shape[1]:].nonzero()
+    steps = int(differ[0]) + 1 if differ.numel() else len(eager.logits)
+    for a, b in zip(compiled.logits[:steps], eager.logits[:steps]):
         torch.testing.assert_close(a, b, rtol=1e-3 if dtype == torch.float32 else 0.02,
                                    atol=1e-3 if dtype == torch.float32 else 0.05)
 
