@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from ffl_backend.bench.grid import label
 from tiny_models import save_tiny_folder, tiny_model
 
 # Keys every successful result row carries in the JSON (the CSV holds the scalar ones).
@@ -376,3 +377,33 @@ def test_interleaving_falls_back_to_sequential_where_memory_is_short(tmp_path, m
         interleave.memory_needed_gb(gpu) - 3 * (interleave.RUNTIME_GB - interleave.CUDA_CONTEXT_GB))
     assert choose_schedule("interleaved", gpu, logged.append) == "sequential" and "GPU memory" in logged[-1]
     assert choose_schedule("interleaved", cfgs, logged.append) == "interleaved"  # CPU runs ignore the GPU
+
+
+def test_tensor_parallel_rows_run_under_torchrun_and_report_the_all_reduce(tiny_folder, tmp_path):
+    """--tp 1 2: the split rows run as 2 ranks (rank 0 answers, the others follow its requests), make the
+    whole model's greedy tokens and report one all-reduce's time and its share of a decode step."""
+    out = tmp_path / "tp"
+    proc = _bench("--model", str(tiny_folder), "--backends", "eager", "fastflow", "llamacpp", "--dtypes", "float32",
+                  "--tp", "1", "2", "--prompt-lens", "8", "--new-tokens", "6", "--repeats", "2",
+                  "--no-warm-compile", "--out", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grid = json.loads(out.with_suffix(".json").read_text())
+    rows = {label(r): r for r in grid["results"]}
+    split = rows["float32 fastflow b1 p8 tp2"]
+    assert "error" not in split and split["tp"] == 2 and split["allreduce_per_step"] == 4  # 2 layers x 2
+    assert split["allreduce_us"] > 0 and split["allreduce_share_pct"] > 0
+    assert split["tokens"] == rows["float32 eager b1 p8"]["tokens"] == rows["float32 eager b1 p8 tp2"]["tokens"]
+    assert "float32 llamacpp b1 p8 tp2" in {label(s) for s in grid["skipped"]}
+    assert "float32 fastflow b1 p8 tp2: one all-reduce" in out.with_suffix(".md").read_text()
+
+
+def test_worker_command_and_rank_errors():
+    from ffl_backend.bench.interleave import error_line, worker_command
+
+    assert worker_command({"backend": "eager"})[:3] == [sys.executable, "-m", "ffl_backend.bench.worker"]
+    cmd = worker_command({"backend": "eager", "tp": 3}, "--serve")
+    assert cmd[1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=3"]
+    assert cmd[cmd.index("--no-python") + 1:][:4] == [sys.executable, "-m", "ffl_backend.bench.worker", "--serve"]
+    stderr = ("[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: heads=9 does not divide by 2\n"
+              "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====\n")
+    assert error_line(stderr) == "ValueError: heads=9 does not divide by 2"

@@ -76,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=_positive, default=3, help="timed generates; the median is reported")
     p.add_argument("--threads", type=_positive,
                    help="torch (and llama.cpp) threads per worker (default: torch's default count)")
+    p.add_argument("--tp", nargs="+", type=_positive, default=[1],
+                   help="tensor-parallel degrees: N > 1 splits the model over N torchrun ranks (transformers' "
+                        "tp_plan, gloo on CPU), threads shared among them; e.g. --tp 1 3 for both side by side")
     p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"), help="auto = cuda if available")
     p.add_argument("--text", help="text file the prompt is cut from (default: a fixed sentence, repeated)")
     p.add_argument("--out", default="ffl-bench-results/bench", help="output prefix for .json .csv .png .md")
@@ -128,7 +131,7 @@ def check_request(args, model: str) -> str:
     from .grid import configurations
 
     todo, skipped = configurations(model, args.backends, args.dtypes, args.quant, args.batch_sizes,
-                                   args.prompt_lens, args.fastflow_options)
+                                   args.prompt_lens, args.fastflow_options, args.tp)
     if not todo:
         raise BenchError("every requested configuration is skipped: "
                          + "; ".join(sorted({s["reason"] for s in skipped})))
@@ -168,7 +171,7 @@ def _run(args, model: str, device: str, command: str) -> int:
                     text=args.text, log=log, quants=args.quant, batches=args.batch_sizes, warmup=args.warmup,
                     warm_compile=not args.no_warm_compile, device=device, threads=args.threads,
                     progress=not args.no_progress, schedule=args.schedule,
-                    fastflow_variants=args.fastflow_options, left_pad=args.left_pad)
+                    fastflow_variants=args.fastflow_options, left_pad=args.left_pad, tps=args.tp)
     grid["command"] = command
     paths = write_all(grid, args.out)
     print(header(grid) + "\n\n" + table(grid))

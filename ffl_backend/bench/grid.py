@@ -43,23 +43,24 @@ def skip_reason(cfg: dict) -> str | None:
     project's 2-core AVX-512 CPU), so an fp32 x scheme row would time a configuration nobody should use.
     llama.cpp rows have reasons of their own (llamacpp.skip_reason)."""
     if cfg["backend"] == "llamacpp":
-        return llamacpp.skip_reason(cfg)
+        return "llama.cpp rows run in one process" if cfg.get("tp", 1) > 1 else llamacpp.skip_reason(cfg)
     if cfg["quant"] != "none" and cfg["dtype"] == "float32":
         return "quantized schemes run on bfloat16/float16 models only"
     return None
 
 
-def configurations(model, backends, dtypes, quants, batches, prompt_lens, fastflow_variants=(None,),
+def configurations(model, backends, dtypes, quants, batches, prompt_lens, fastflow_variants=(None,), tps=(1,),
                    **common) -> tuple[list, list]:
     """(configurations to run, skipped ones with their reason), eager first within each group so
     that the reference tokens exist before anything is compared with them. Each of
-    `fastflow_variants` (backend options, None = the defaults) makes a fastflow row of its own."""
+    `fastflow_variants` (backend options, None = the defaults) makes a fastflow row of its own; each
+    of `tps` > 1, rows split over that many tensor-parallel ranks (torchrun) of their own."""
     order = {b: i for i, b in enumerate(BACKENDS)}
     todo, skipped = [], []
-    for dtype, quant, batch, plen, backend in itertools.product(
-            dtypes, quants, batches, prompt_lens, sorted(backends, key=order.get)):
+    for dtype, quant, batch, plen, tp, backend in itertools.product(
+            dtypes, quants, batches, prompt_lens, tps, sorted(backends, key=order.get)):
         cfg = {"model": str(model), "backend": backend, "dtype": dtype, "quant": quant, "batch": batch,
-               "prompt_len": plen, **common}
+               "prompt_len": plen, **({"tp": tp} if tp > 1 else {}), **common}
         variants = [None]
         if backend == "fastflow":
             variants = [{**(cfg.get("options") or {}), **(v or {})} or None for v in fastflow_variants]
@@ -78,7 +79,8 @@ def label(cfg: dict) -> str:
         backend += f"({llamacpp.gguf_type(cfg)})"
     variant = "".join(f" {k}={v}" for k, v in (cfg.get("options") or {}).items() if k != "mode")
     padded = " left-padded" if cfg.get("left_pad") and cfg["batch"] > 1 else ""
-    return f"{cfg['dtype']}{quant} {backend}{variant} b{cfg['batch']} p{cfg['prompt_len']}{padded}"
+    split = f" tp{cfg['tp']}" if cfg.get("tp", 1) > 1 else ""
+    return f"{cfg['dtype']}{quant} {backend}{variant} b{cfg['batch']} p{cfg['prompt_len']}{padded}{split}"
 
 
 def run_isolated(cfg: dict, warm_compile: bool = True) -> dict:
@@ -257,10 +259,11 @@ def add_ceilings(results: list[dict], device: str) -> None:
 def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=128, repeats=3,
              text=None, options=None, log=print, *, quants=("none",), batches=(1,), warmup=1, warm_compile=True,
              device="cpu", threads=None, progress=True, schedule="interleaved", fastflow_variants=(None,),
-             left_pad=False) -> dict:
+             left_pad=False, tps=(1,)) -> dict:
     """Run every configuration of the grid, each in its own process; `prompt_len` is one length or
     several. `schedule`: "interleaved" (all processes alive, timed round robin) or "sequential" (one
     process at a time). `left_pad`: batches of prompts of different lengths (session.batch_prompts).
+    `tps`: tensor-parallel degrees (1 = one process; N: the model split over N torchrun ranks).
     Returns {"environment", "bandwidth", "settings", "results", "skipped"}."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -269,7 +272,7 @@ def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new
     prompt_lens = [prompt_len] if isinstance(prompt_len, int) else list(prompt_len)
     settings = {"new_tokens": new_tokens, "repeats": repeats, "warmup": warmup, "text": text, "device": device,
                 "threads": threads, "left_pad": left_pad}
-    todo, skipped = configurations(model, backends, dtypes, quants, batches, prompt_lens, fastflow_variants,
+    todo, skipped = configurations(model, backends, dtypes, quants, batches, prompt_lens, fastflow_variants, tps,
                                    options=options, **settings)
     by_reason: dict[str, list] = {}
     for cfg in skipped:

@@ -33,9 +33,18 @@ def worker_env(cache_dir: str) -> dict:
             "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
 
 
+def worker_command(cfg: dict, *args: str) -> list[str]:
+    """The worker's command line: one interpreter, or `tp` of them under torchrun (tensor parallel)."""
+    tp = cfg.get("tp", 1)
+    worker = [sys.executable, "-m", "ffl_backend.bench.worker", *args, json.dumps(cfg)]
+    if tp == 1:
+        return worker
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", "--no-python",
+            *worker]
+
+
 def run_worker(cfg: dict, cache_dir: str) -> dict:
-    proc = subprocess.run([sys.executable, "-m", "ffl_backend.bench.worker", json.dumps(cfg)],
-                          capture_output=True, text=True, env=worker_env(cache_dir))
+    proc = subprocess.run(worker_command(cfg), capture_output=True, text=True, env=worker_env(cache_dir))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {"error": error_line(proc.stderr or proc.stdout) or f"worker exited with {proc.returncode}"}
@@ -45,9 +54,11 @@ def run_worker(cfg: dict, cache_dir: str) -> dict:
 def error_line(text: str) -> str | None:
     """The innermost exception of a worker's traceback. Dynamo appends advice lines after it and
     wraps backend failures ("BackendCompilerFailed ... raised:" then the cause), so the last line
-    naming an exception type is the informative one."""
-    lines = [line.strip() for line in text.splitlines() if line.strip()]
-    named = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt)\b", line)]
+    naming an exception type is the informative one. Under torchrun, ranks prefix their lines with
+    "[rankN]: " and torchrun ends with its own ChildFailedError, which says less than the rank's."""
+    lines = [re.sub(r"^\[rank\d+\]:\s*", "", line.strip()) for line in text.splitlines() if line.strip()]
+    named = [line for line in lines if re.match(r"[A-Za-z_][\w.]*(Error|Exception|Failed|Interrupt)\b", line)
+             and not line.startswith("torch.distributed.elastic")]
     return (named or lines or [None])[-1]
 
 
@@ -57,7 +68,7 @@ class WorkerProcess:
     def __init__(self, cfg: dict, cache_dir: str):
         # stderr goes to a file: a pipe nobody reads would block the worker once it fills up.
         self.stderr = tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "ffl_backend.bench.worker", "--serve", json.dumps(cfg)],
+        self.proc = subprocess.Popen(worker_command(cfg, "--serve"),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
                                      env=worker_env(cache_dir))
         self.error = None

@@ -97,6 +97,10 @@ def header(grid: dict) -> str:
                 "padding before them), *tokens = eager* compares row 0." if st.get("left_pad") else "")]
     if "llama_cpp" in env:
         lines.append(_llama_cpp_note(env["llama_cpp"]))
+    lines += [f"{label(r)}: one all-reduce of a decode step's hidden states {r['allreduce_us']:.0f} us (mean of a "
+              f"loop of 200 after the timed runs), {r['allreduce_per_step']} per step: "
+              f"~{r['allreduce_share_pct']:.0f}% of a decode step."
+              for r in grid["results"] if "allreduce_us" in r]
     by_reason: dict[str, list] = {}
     for s in grid.get("skipped", []):
         by_reason.setdefault(s["reason"], []).append(label(s))

@@ -164,8 +164,12 @@ def load_model(cfg: dict):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=getattr(torch, cfg["dtype"]))
-    model = model.to(cfg.get("device", "cpu")).eval()
+    if cfg.get("tp", 1) > 1:  # under torchrun: transformers shards it over the ranks as it loads
+        model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=getattr(torch, cfg["dtype"]), tp_plan="auto")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=getattr(torch, cfg["dtype"]))
+        model = model.to(cfg.get("device", "cpu"))
+    model = model.eval()
     tok = AutoTokenizer.from_pretrained(cfg["model"])
     load_s = time.perf_counter() - t0
     quantize_s = 0.0
@@ -187,8 +191,8 @@ class Session:
 
         from ..generation import configure_generate
 
-        if cfg.get("threads"):
-            torch.set_num_threads(cfg["threads"])
+        if cfg.get("threads") or cfg.get("tp", 1) > 1:  # tensor-parallel ranks share the threads
+            torch.set_num_threads(max(1, (cfg.get("threads") or torch.get_num_threads()) // cfg.get("tp", 1)))
         self.cfg = cfg
         self.runtime_rss_mb = import_runtime(cfg)
         self.model, tok, load_s, quantize_s = load_model(cfg)
@@ -224,6 +228,8 @@ class Session:
 
     def summary(self) -> dict:
         out = {**self.setup, **self.measure()}
+        if self.cfg.get("tp", 1) > 1:
+            out.update(all_reduce_share(self.model, out["decode_tok_s"] / self.cfg.get("batch", 1), self.cfg["batch"]))
         out["runtime_rss_mb"] = self.runtime_rss_mb
         # What loading, quantizing, compiling and running this model added to the process's peak.
         out["model_peak_rss_mb"] = (out["peak_rss_mb"] - self.runtime_rss_mb
@@ -239,6 +245,26 @@ class Session:
                               recompiles=_frames_recompiled(),
                               graphs_compiled_while_timed=_graphs() - self.graphs_before,
                               cuda_peak_mb=torch.cuda.max_memory_allocated() / 2**20 if cuda else None)
+
+
+def all_reduce_share(model, steps_per_s: float, batch: int, calls: int = 200) -> dict:
+    """Tensor-parallel rows: the mean time of one all-reduce of a decode step's hidden states (batch, 1,
+    hidden), the all-reduces per step (one per row-parallel linear: after attention and after the MLP),
+    and their share of a decode step. Every rank calls it (it is a collective)."""
+    import torch
+    import torch.distributed as dist
+
+    from ..quant.tensor_parallel import all_reduce_count
+
+    x = torch.ones(batch, 1, model.config.hidden_size, dtype=model.dtype, device=model.device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        dist.all_reduce(x)
+    seconds = (time.perf_counter() - t0) / calls
+    per_step = all_reduce_count(model) or 2 * model.config.num_hidden_layers
+    return {"tp": dist.get_world_size(), "allreduce_us": 1e6 * seconds, "allreduce_per_step": per_step,
+            "allreduce_share_pct": 100 * per_step * seconds * steps_per_s}
 
 
 def _optimize(model, cfg: dict) -> None:

@@ -41,14 +41,16 @@ def serve(cfg: dict, requests=None, replies=None) -> None:
     request line -- "time": one timed generate, its decode tok/s; "finish": the summary, and return.
     One JSON line per reply."""
     requests, replies = requests or sys.stdin, replies or sys.stdout
+    lead = rank() == 0  # under torchrun only rank 0 reads requests and replies; the others follow it
 
     def reply(obj):
-        replies.write(json.dumps(obj) + "\n")
-        replies.flush()
+        if lead:
+            replies.write(json.dumps(obj) + "\n")
+            replies.flush()
 
     session = open_session(cfg)
     reply({"ready": True})
-    for line in requests:
+    for line in follow(requests if lead else None):
         if line.strip() == "time":
             reply({"decode_tok_s": session.timed()["decode_tok_s"]})
         elif line.strip() == "finish":
@@ -58,12 +60,37 @@ def serve(cfg: dict, requests=None, replies=None) -> None:
             reply({"error": f"unknown request {line.strip()!r}"})
 
 
+def rank() -> int:
+    import os
+
+    return int(os.environ.get("RANK", "0"))
+
+
+def follow(requests):
+    """The request lines: read by rank 0 and broadcast to the other tensor-parallel ranks, so every
+    rank runs the same generates; just the lines in one process. Ends after "finish" or at EOF."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        yield from requests
+        return
+    lines = iter(requests) if requests is not None else None
+    while True:
+        box = [next(lines, None) if lines is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        if box[0] is None:
+            return
+        yield box[0]
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[0] == "--serve":
         serve(json.loads(argv[1]))
     else:
-        print(json.dumps(run_one(json.loads(argv[0]))))
+        result = run_one(json.loads(argv[0]))
+        if rank() == 0:
+            print(json.dumps(result))
     return 0
 
 

@@ -167,6 +167,11 @@ def _localize_config(model: nn.Module, split: dict) -> None:
         return
     world = sizes.pop()
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(cfg, key, None)
+        if isinstance(heads, int) and split["out"] and heads % world:
+            raise ValueError(f"tensor parallel over {world} ranks splits attention heads, but {key}={heads} does not "
+                             f"divide by {world}: ranks would hold parts of a head. Use a degree dividing {heads}.")
     for key in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(cfg, key, None)
         if isinstance(value, int) and split["out"] and value % world == 0:
