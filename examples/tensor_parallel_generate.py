@@ -33,16 +33,6 @@ def _common_prefix(a: torch.Tensor, b: torch.Tensor) -> int:
     return int(differ[0]) if differ.numel() else n
 
 
-def all_reduce_seconds(hidden: int, calls: int = 200) -> float:
-    """Mean time of one all-reduce of a decode step's hidden vector (1, 1, hidden) fp32 over the ranks."""
-    x = torch.ones(1, 1, hidden)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(calls):
-        dist.all_reduce(x)
-    return (time.perf_counter() - start) / calls
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="a Hugging Face model folder (default: bundled SmolLM2-135M)")
@@ -54,6 +44,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import ffl_backend
+    from ffl_backend.bench.session import all_reduce_share
 
     folder = args.model or str(ffl_backend.smollm2_path())
     quant = None if args.quant in (None, "none") else args.quant
@@ -67,13 +58,11 @@ def main() -> None:
     out = model.generate(ids, max_new_tokens=args.new_tokens, do_sample=False)
     seconds = time.perf_counter() - start
     tokens = out[0, ids.shape[1]:]
-    reduce_s = all_reduce_seconds(model.config.hidden_size)
+    reduce = all_reduce_share(model, args.new_tokens / seconds, batch=1)  # a collective: every rank
     if rank == 0:
-        step_s = seconds / args.new_tokens
-        per_step = 2 * model.config.num_hidden_layers  # after attention and after the MLP of every layer
-        print(f"{world} ranks, quant={quant}: {1 / step_s:.1f} tok/s; one all-reduce of a hidden vector "
-              f"{reduce_s * 1e6:.0f} us, x{per_step} per step = {100 * per_step * reduce_s / step_s:.0f}% of a step\n"
-              f"{tokenizer.decode(tokens, skip_special_tokens=True)!r}")
+        print(f"{world} ranks, quant={quant}: {args.new_tokens / seconds:.1f} tok/s; one all-reduce of a hidden "
+              f"vector {reduce['allreduce_us']:.0f} us, x{reduce['allreduce_per_step']} per step = "
+              f"{reduce['allreduce_share_pct']:.0f}% of a step\n{tokenizer.decode(tokens, skip_special_tokens=True)!r}")
     if args.check and rank == 0:
         whole = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
         references = {"unquantized": _greedy(whole, ids, args.new_tokens)}
