@@ -25,7 +25,9 @@ from torch import Tensor
 from .. import numerics as P
 
 STEPS = [15.0 + 0.1 * i for i in range(-10, 11)]  # levels spanned by a group's range, per candidate
-BLOCK_ELEMENTS = 1 << 22  # rows are fitted in blocks of about this many weights (a 262k-row head at once: GBs)
+# Rows are fitted in blocks of about this many weights: a 262k-row head at once would take GBs, and fp32
+# temporaries of ~1 MB stay in cache (a 2048 x 640 layer: 0.087 s against 0.133 s with 16 MB blocks).
+BLOCK_ELEMENTS = 1 << 18
 
 
 def quantize_int4_fitted(w: Tensor, group_size: int, symmetric: bool = False, scale_dtype: torch.dtype | None = None,
@@ -62,9 +64,11 @@ def fit_groups(g: Tensor, symmetric: bool, dtype: torch.dtype, importance: Tenso
         lo, hi = lo.clamp(max=0.0), hi.clamp(min=0.0)
     span = (hi - lo) if not symmetric else torch.maximum(-lo / 8.0, hi / 7.0) * 15.0
     origin = lo if not symmetric else -8.0 * span / 15.0
+    shifted = g - origin[..., None]
+    sums = (weight.sum(-1), (weight * g).sum(-1))  # the same for every candidate
     for steps in STEPS:
-        codes = torch.round((g - origin[..., None]) * (steps / span.clamp_min(P.SCALE_EPS))[..., None]).clamp_(0, 15)
-        scale, offset = _least_squares(g, weight, codes, symmetric)
+        codes = torch.round(shifted * (steps / span.clamp_min(P.SCALE_EPS))[..., None]).clamp_(0, 15)
+        scale, offset = _least_squares(g, weight, codes, symmetric, sums)
         ok = torch.isfinite(scale) & (scale > 0) & torch.isfinite(offset)
         scale = P.stored_scale(torch.where(ok, scale, best_scale), dtype)
         zero = best_zero if symmetric else torch.where(ok, -offset / scale, best_zero).to(dtype).to(g.dtype)
@@ -75,19 +79,24 @@ def fit_groups(g: Tensor, symmetric: bool, dtype: torch.dtype, importance: Tenso
     return best_scale, best_zero
 
 
-def _least_squares(g: Tensor, weight: Tensor, codes: Tensor, symmetric: bool) -> tuple[Tensor, Tensor]:
+def _least_squares(g: Tensor, weight: Tensor, codes: Tensor, symmetric: bool,
+                   sums: tuple[Tensor, Tensor]) -> tuple[Tensor, Tensor]:
     """The (scale, offset) minimising sum weight * (codes * scale + offset - g)^2 for fixed codes;
-    symmetric grids keep offset = -8 * scale (zero point 8) and solve for the scale alone."""
+    symmetric grids keep offset = -8 * scale (zero point 8) and solve for the scale alone.
+    sums: (sum weight, sum weight * g) over each group."""
     if symmetric:
         c = codes - 8.0
         scale = (weight * c * g).sum(-1) / (weight * c * c).sum(-1)
         return scale, -8.0 * scale
-    sw, sc, scc = weight.sum(-1), (weight * codes).sum(-1), (weight * codes * codes).sum(-1)
-    sx, scx = (weight * g).sum(-1), (weight * codes * g).sum(-1)
+    weighted = weight * codes
+    (sw, sx), sc = sums, weighted.sum(-1)
+    scc, scx = (weighted * codes).sum(-1), (weighted * g).sum(-1)
     det = sw * scc - sc * sc
     return (sw * scx - sx * sc) / det, (scc * sx - sc * scx) / det
 
 
 def _weighted_error(g: Tensor, weight: Tensor, scale: Tensor, zero: Tensor) -> Tensor:
-    codes = P.int4_codes(g, scale[..., None], zero[..., None]).to(g.dtype)
-    return (weight * ((codes - zero[..., None]) * scale[..., None] - g).square()).sum(-1)
+    """sum weight * (dequantized - g)^2 per group, codes as numerics.int4_codes makes them (kept in float)."""
+    scale, zero = scale[..., None], zero[..., None]
+    err = torch.round(g / scale + zero).clamp_(0, 15).sub_(zero).mul_(scale).sub_(g)
+    return err.square_().mul_(weight).sum(-1)
