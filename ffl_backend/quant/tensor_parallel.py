@@ -26,6 +26,8 @@ import logging
 
 from torch import nn
 
+from .schemes import GROUP_SIZES
+
 logger = logging.getLogger("ffl_backend")
 
 COLUMN_STYLES = ("ColwiseParallel",)
@@ -194,12 +196,13 @@ def check_int4_groups(name: str, linear: nn.Module, group_size: int | None) -> N
     if info is None or info.dim != "in":
         return
     local = linear.in_features
-    sizes = (group_size,) if group_size is not None else (32, 64, 128)
+    sizes = (group_size,) if group_size is not None else GROUP_SIZES
     if any(local % g == 0 for g in sizes) or not any(info.full_features % g == 0 for g in sizes):
         return
-    fits = [g for g in (32, 64, 128) if local % g == 0]
+    fits = [g for g in GROUP_SIZES if local % g == 0]
     hint = (f"group_size={max(fits)} would" if fits else
-            "none of 32, 64, 128 does: skip it (int8 takes any width) or use another tensor-parallel degree")
+            f"none of {', '.join(map(str, GROUP_SIZES))} does: skip it (int8 takes any width) or use another "
+            "tensor-parallel degree")
     asked = f"group size {group_size} does not divide it" if group_size is not None else "no int4 group size divides it"
     raise ValueError(f"int4: {name} holds {local} of its {info.full_features} input features on this rank "
                      f"(tensor parallel over {info.world_size}) and {asked}; {hint}")

@@ -27,7 +27,10 @@ def run_case(folder: str, case: str, prompt: torch.Tensor, new_tokens: int):
     quant = None if quant == "none" else quant
     model = AutoModelForCausalLM.from_pretrained(folder, tp_plan="auto", dtype=torch.float32).eval()
     if entry == "logits":  # the localized model's last-position logits, eager
-        ffl_backend.quantize(model, quant) if quant is not None else localize(model)
+        if quant is not None:
+            ffl_backend.quantize(model, quant)
+        else:
+            localize(model)
         with torch.no_grad():
             return model(prompt).logits[0, -1].tolist()
     if entry == "optimize":
