@@ -48,17 +48,19 @@ def _layer_lengths(config, seq_len: int, cap_sliding: bool) -> list[int]:
 
 
 def kv_cache_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32, cap_sliding: bool = True) -> int:
-    """Bytes of K and V for every layer: 2 * batch * kv_heads * head_dim * length * itemsize, summed
-    over layers, length = seq_len (or the window for sliding layers when `cap_sliding`). GQA-aware
-    (num_key_value_heads) and honours an explicit `head_dim` (Gemma, Qwen3)."""
+    """Bytes of K and V for every layer: 2 * batch * kv_heads * row * length, summed over layers,
+    row = head_dim * itemsize (or, for a quantized cache, dtype "int8"/"fp8", head_dim rounded up to 4
+    bytes + a 4-byte scale: attention/kv_quant.py), length = seq_len (or the window for sliding layers
+    when `cap_sliding`). GQA-aware (num_key_value_heads); honours an explicit `head_dim` (Gemma, Qwen3)."""
+    from .attention.kv_quant import row_bytes, storage_dtype
+
     cfg = _text_config(config)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * batch_size * kv_heads * head_dim * itemsize
+        dtype = storage_dtype(dtype) if dtype.lower() in ("int8", "fp8") else getattr(torch, dtype)
+    per_token = 2 * batch_size * kv_heads * row_bytes(head_dim, dtype)
     return sum(per_token * n for n in _layer_lengths(cfg, seq_len, cap_sliding))
 
 
@@ -99,7 +101,7 @@ def _checked_generate(model, generate, max_batch_size: int, max_seq_len: int):
 
 def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | None = None,
              attention: str | None = "fastflow", mode: str | None = DEFAULT_MODE, decode_loop: bool = True,
-             **backend_options):
+             kv_cache_dtype=None, **backend_options):
     """Patch `model` in place for fast generation and return it (see the module docstring).
 
     quant: what `ffl_backend.quantize` takes ("int8", a config, ...), or None.
@@ -110,9 +112,13 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
         CUDA graphs on CUDA, the C++ wrapper on CPU), "default" for the shorter compile, or any other.
     decode_loop: True (default): greedy and sampling requests run fastflow's decode loop
         (ffl_backend/decode_loop.py), the rest transformers' loop; False: transformers' loop always.
+    kv_cache_dtype: None (default: the model's dtype), "int8" or "fp8" (e4m3): the static cache stores
+        K and V quantized with one fp32 scale per token and KV head (attention/kv_quant.py), about half
+        a bf16 cache; the attention ops dequantize as they read. Needs attention="fastflow".
     backend_options: options of the fastflow backend (ffl_backend.config.BackendOptions).
     """
     from . import hf_attention as hf
+    from .attention.kv_quant import storage_dtype
     from .config import BackendOptions
     from .decode_loop import DecodeLoop
     from .generation import configure_generate
@@ -121,6 +127,10 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     from .quant.weight_layout import share_fused_storage
 
     BackendOptions.parse(mode, backend_options)  # a typo fails here, not at the first decode step
+    kv_dtype = storage_dtype(kv_cache_dtype)
+    if kv_dtype is not None and attention != hf.NAME:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r} needs attention={hf.NAME!r} (the ops that read "
+                         f"the quantized rows); got attention={attention!r}")
     localize(model)  # a transformers tensor-parallel model: plain local shards, local head counts
     cfg = _text_config(model.config)
     if max_seq_len is None:
@@ -134,7 +144,7 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     gc = model.generation_config
     state = {"generation": {k: getattr(gc, k, None) for k in
                             ("cache_implementation", "max_cache_len", "compile_config", "disable_compile")}}
-    state["attention"] = hf.install(model, attention)
+    state["attention"] = hf.install(model, attention, kv_dtype)
     # q/k/v and gate/up as slices of one tensor: horizontal fusion then reuses it instead of copying
     share_fused_storage(model)
     configure_generate(model, backend="fastflow", options=backend_options, max_cache_len=max_seq_len, mode=mode)
@@ -146,14 +156,15 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
         from .quant.modules import pretune_linears  # the Triton tiles of decode's shape, likewise
 
         pretune_linears(model, max_batch_size)
-    generate = DecodeLoop(model, model.generate, max_seq_len) if decode_loop else model.generate
+    generate = DecodeLoop(model, model.generate, max_seq_len, kv_dtype) if decode_loop else model.generate
     model.generate = _checked_generate(model, generate, max_batch_size, max_seq_len)
     setattr(model, _STATE, state)
     # the decode loop's caches hold only the window for sliding layers (window_cache.py)
     rolling = decode_loop and model.config._attn_implementation == hf.NAME
-    nbytes = kv_cache_bytes(cfg, max_batch_size, max_seq_len, model.dtype, cap_sliding=rolling)
+    cache_dtype = kv_dtype or model.dtype
+    nbytes = kv_cache_bytes(cfg, max_batch_size, max_seq_len, cache_dtype, cap_sliding=rolling)
     logger.info("fastflow: static KV cache %d x %d tokens = %.1f MiB (%s); attention=%s",
-                max_batch_size, max_seq_len, nbytes / 2**20, str(model.dtype).replace("torch.", ""),
+                max_batch_size, max_seq_len, nbytes / 2**20, str(cache_dtype).replace("torch.", ""),
                 model.config._attn_implementation)
     return model
 

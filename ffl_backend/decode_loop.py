@@ -171,8 +171,8 @@ def _direct_call(calls: list, out: tuple):
 class DecodeLoop:
     """One per optimized model: its static caches (one per batch size) and the compiled step."""
 
-    def __init__(self, model, generate, max_seq_len: int):
-        self.model, self.hf_generate, self.max_seq_len = model, generate, max_seq_len
+    def __init__(self, model, generate, max_seq_len: int, kv_dtype: torch.dtype | None = None):
+        self.model, self.hf_generate, self.max_seq_len, self.kv_dtype = model, generate, max_seq_len, kv_dtype
         self._caches: dict = {}
         self._steps: dict = {}  # compile config -> compiled decode_step
         self._may_skip_guards = sum(1 for _ in model.buffers()) <= _MAX_BUFFERS_TO_SKIP_GUARDS
@@ -228,6 +228,7 @@ class DecodeLoop:
         from transformers import StaticCache
 
         from . import hf_attention as hf
+        from .kv_cache import quantize_layers
 
         key = (batch, self.model.dtype, str(device))
         cache = self._caches.get(key)
@@ -237,7 +238,7 @@ class DecodeLoop:
                 from .window_cache import use_rolling_windows  # window slots per sliding layer
 
                 use_rolling_windows(cache, self.max_seq_len)
-            self._caches[key] = cache
+            self._caches[key] = quantize_layers(cache, self.kv_dtype)
         else:
             cache.reset()
         return cache

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from .attention import decode as _decode  # registers torch.ops.fastflow.attention_decode
 from .attention import prefill as _prefill  # noqa: F401  (registers torch.ops.fastflow.attention_prefill)
+from .attention.kv_quant import dequantized
 from .attention.reference import visible
 from .kernels import cpu_lib
 
@@ -64,6 +65,7 @@ def _eager_fallback(module, query, key, value, attention_mask, sliding_window=No
     A sliding window is ANDed into the mask here, as the ops apply it themselves: the decode loop
     hands every layer one full-causal mask (decode_loop.py)."""
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+    key, value = dequantized(query, key, value)  # a quantized cache's packed rows (kv_quant.py)
     if sliding_window and attention_mask is not None and attention_mask.dim() == 4:
         mask = _bool_mask(attention_mask)
         q_len = query.shape[2]
@@ -141,19 +143,27 @@ def unroll_sliding_layers(cache, max_cache_len: int):
     return cache
 
 
-def _unrolled_static_cache(model):
-    """A per-instance `_prepare_static_cache` whose sliding layers are full-length StaticLayers."""
+def _fastflow_static_cache(model, kv_dtype):
+    """A per-instance `_prepare_static_cache` whose sliding layers are full-length StaticLayers and
+    whose layers store `kv_dtype` rows (kv_cache.py) when one is given."""
+    from .kv_cache import quantize_layers
+
     original = model._prepare_static_cache
 
     def prepare(*args, **kwargs):
-        return unroll_sliding_layers(original(*args, **kwargs), model._previous_max_cache_length)
+        cache = unroll_sliding_layers(original(*args, **kwargs), model._previous_max_cache_length)
+        return quantize_layers(cache, kv_dtype)
 
     return prepare
 
 
-def install(model, attention: str | None = NAME) -> dict:
-    """Select `attention` for this model (and unroll sliding caches); returns what `uninstall` needs."""
+def install(model, attention: str | None = NAME, kv_dtype: torch.dtype | None = None) -> dict:
+    """Select `attention` for this model (unroll sliding caches, quantize the cache when `kv_dtype`
+    is a quantized format); returns what `uninstall` needs."""
     state = {"attn": model.config._attn_implementation, "cache_patch": False}
+    if kv_dtype is not None and attention != NAME:
+        raise ValueError(f"a quantized KV cache (kv_cache_dtype) needs attention={NAME!r}: other attention "
+                         f"implementations cannot read its packed rows; got attention={attention!r}")
     if attention is None:
         return state
     if attention == NAME:
@@ -161,8 +171,8 @@ def install(model, attention: str | None = NAME) -> dict:
         if model.device.type == "cpu":
             _cpu_kernel["built"] = cpu_lib.load()
     model.set_attn_implementation(attention)
-    if attention == NAME and has_sliding_layers(model.config):
-        model._prepare_static_cache = _unrolled_static_cache(model)
+    if attention == NAME and (has_sliding_layers(model.config) or kv_dtype is not None):
+        model._prepare_static_cache = _fastflow_static_cache(model, kv_dtype)
         state["cache_patch"] = True
     return state
 

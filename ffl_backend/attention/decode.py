@@ -32,6 +32,7 @@ from torch import Tensor
 
 from ..kernels import cpu_lib
 from ..kernels._triton import HAS_TRITON, AotSpec, on_triton_device, ptr, tl, triton
+from .kv_quant import dequantized
 from .prefill import (
     AOT_BLOCK_DS,
     AOT_DTYPES,
@@ -208,12 +209,12 @@ def attention_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Te
         n = int(filled)
         ok = visible(q.shape[2], n, window, q.device)
         ok = ok if mask is None else ok & mask[..., :n].to(torch.bool)
-        return capped_attention(q, k_cache[:, :, :n], v_cache[:, :, :n], scale, softcap, ok)
+        return capped_attention(q, *dequantized(q, k_cache[:, :, :n], v_cache[:, :, :n]), scale, softcap, ok)
     if cpu_kernel_fits(q, k_cache) and cpu_lib.load():
         return torch.ops.fastflow_cpu.decode_attention(q, k_cache, v_cache, filled, scale, window, mask).contiguous()
     n = int(filled)  # a CPU tensor: no device sync
     q_len = q.shape[2]
-    k, v = k_cache[:, :, :n], v_cache[:, :, :n]
+    k, v = dequantized(q, k_cache[:, :, :n], v_cache[:, :, :n])  # only the filled slots are widened
     ok = mask[..., :n].to(torch.bool) if mask is not None else None
     if q_len > 1 or window > 0:  # one query at the newest position sees every key: no causal mask
         causal = visible(q_len, n, window, q.device)

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels._triton import HAS_TRITON, AotSpec, on_triton_device, ptr, tl, triton
+from .kv_quant import dequantized
 from .prefill import capped_attention, dot_precision, head_block, upcast_dot
 from .reference import attention_ref
 
@@ -55,7 +56,7 @@ def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Te
                      scale: float, window: int = 0, softcap: float = 0.0) -> Tensor:
     if window > 0 or softcap > 0:
         return _paged_masked(q, k_pool, v_pool, block_tables, seq_lens, scale, window, softcap)
-    bsz, n_heads, head_dim = q.shape
+    bsz, width = q.shape[0], k_pool.shape[-1]  # width: head_dim, or packed_width(head_dim) (kv_quant.py)
     block = k_pool.shape[1]
     lens = seq_lens.tolist()  # CPU tensors: no device sync
     longest = max(lens)
@@ -64,13 +65,15 @@ def paged_decode_cpu(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Te
         first, row = int(block_tables[0, 0]), block_tables[0, :nb].tolist()
         if row == list(range(first, first + nb)):  # consecutive blocks (the allocator's usual case
             # for a lone sequence): a view of the pool, no gather at all
-            k = k_pool[first:first + nb].view(1, nb * block, -1, head_dim)[:, :longest].transpose(1, 2)
-            v = v_pool[first:first + nb].view(1, nb * block, -1, head_dim)[:, :longest].transpose(1, 2)
+            k = k_pool[first:first + nb].view(1, nb * block, -1, width)[:, :longest].transpose(1, 2)
+            v = v_pool[first:first + nb].view(1, nb * block, -1, width)[:, :longest].transpose(1, 2)
+            k, v = dequantized(q, k, v)
             return F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale,
                                                   enable_gqa=True)[:, :, 0].contiguous()
     idx = block_tables[:, :nb].reshape(-1).to(device=k_pool.device, dtype=torch.long)
-    k = k_pool.index_select(0, idx).view(bsz, nb * block, -1, head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-    v = v_pool.index_select(0, idx).view(bsz, nb * block, -1, head_dim).transpose(1, 2)
+    k = k_pool.index_select(0, idx).view(bsz, nb * block, -1, width).transpose(1, 2)  # (B, Hkv, S, D)
+    v = v_pool.index_select(0, idx).view(bsz, nb * block, -1, width).transpose(1, 2)
+    k, v = dequantized(q, k, v)
     if min(lens) == longest:  # one row, or equal lengths: slice instead of masking
         out = F.scaled_dot_product_attention(q[:, :, None], k[:, :, :longest], v[:, :, :longest], scale=scale,
                                              enable_gqa=True)
@@ -86,14 +89,15 @@ def _paged_masked(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tenso
                   window: int, softcap: float) -> Tensor:
     """Windows and soft-capping: gather the blocks from the first any row's window reaches to the
     longest row's last, one boolean mask (length and window) per row."""
-    bsz, n_heads, head_dim = q.shape
+    bsz, width = q.shape[0], k_pool.shape[-1]
     block = k_pool.shape[1]
     lens = seq_lens.tolist()
     nb = -(-max(lens) // block)
     first = min(max(0, n - window) // block for n in lens) if window > 0 else 0
     idx = block_tables[:, first:nb].reshape(-1).to(device=k_pool.device, dtype=torch.long)
-    k = k_pool.index_select(0, idx).view(bsz, -1, k_pool.shape[2], head_dim).transpose(1, 2)  # (B, Hkv, S, D)
-    v = v_pool.index_select(0, idx).view(bsz, -1, v_pool.shape[2], head_dim).transpose(1, 2)
+    k = k_pool.index_select(0, idx).view(bsz, -1, k_pool.shape[2], width).transpose(1, 2)  # (B, Hkv, S, D)
+    v = v_pool.index_select(0, idx).view(bsz, -1, v_pool.shape[2], width).transpose(1, 2)
+    k, v = dequantized(q, k, v)
     pos = torch.arange(first * block, nb * block, device=q.device)[None, :]
     n = seq_lens.to(q.device)[:, None]
     ok = pos < n

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels._triton import HAS_TRITON, AotSpec, interpreting, launch, on_triton_device, ptr, tl, triton
+from .kv_quant import dequantized
 from .reference import visible
 
 # Head dims of the supported families (64 SmolLM2, 80 Phi-2, 96 Phi-3, 128 Llama/Mistral, 256 Gemma)
@@ -186,6 +187,7 @@ def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: flo
 def attention_prefill_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int = 0,
                           softcap: float = 0.0) -> Tensor:
     q_len, kv_len = q.shape[2], k.shape[2]
+    k, v = dequantized(q, k, v)
     if softcap > 0:
         return capped_attention(q, k, v, scale, softcap, visible(q_len, kv_len, window, q.device))
     if window <= 0 and q_len == kv_len:

@@ -22,6 +22,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/zeros.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -47,6 +48,42 @@ template <typename T>
 inline void widen(const T* src, float* dst, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) dst[d] = static_cast<float>(src[d]);
+}
+
+// A cached row of D values as fp32. Float caches: widened. Quantized caches (attention/kv_quant.py):
+// D int8 or fp8 e4m3 values, padded to a multiple of 4 bytes, then the row's fp32 scale.
+template <typename T>
+inline void load_row(const T* row, float* dst, int64_t D) {
+  widen(row, dst, D);
+}
+
+inline float row_scale(const void* row, int64_t D) {
+  float scale;
+  std::memcpy(&scale, static_cast<const char*>(row) + (D + 3) / 4 * 4, sizeof(scale));
+  return scale;
+}
+
+inline void load_row(const int8_t* row, float* dst, int64_t D) {
+  const float scale = row_scale(row, D);
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<float>(row[d]) * scale;
+}
+
+// e4m3 byte -> float by table: one load per value instead of c10's bit manipulation.
+const float* fp8_e4m3_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(256);
+    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(c10::Float8_e4m3fn(b, c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+
+inline void load_row(const c10::Float8_e4m3fn* row, float* dst, int64_t D) {
+  const float scale = row_scale(row, D);
+  const float* table = fp8_e4m3_table();
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row);
+  for (int64_t d = 0; d < D; ++d) dst[d] = table[bytes[d]] * scale;
 }
 
 // Keys are handled kBlock at a time: widened once into fp32 for every query row of the group, their
@@ -170,8 +207,8 @@ struct Partial {
 
 // One task: batch b, KV head kvh, keys [lo, hi). Every query row of the group reads each key once.
 // Keys are padded to whole blocks (zero keys and values, scored invisible).
-template <typename T>
-void attend_range(const T* q, const T* k, const T* v, const bool* mask, const Shape& s, const Strides& st,
+template <typename T, typename KV>
+void attend_range(const T* q, const KV* k, const KV* v, const bool* mask, const Shape& s, const Strides& st,
                   int64_t b, int64_t kvh, int64_t lo, int64_t hi, Partial* parts, float* accs) {
   const int64_t rows = s.group * s.Lq, D = s.D, n = hi - lo, padded = (n + kBlock - 1) / kBlock * kBlock;
   std::vector<float> qf(rows * D), block(kBlock * D), scores(rows * padded);
@@ -185,13 +222,13 @@ void attend_range(const T* q, const T* k, const T* v, const bool* mask, const Sh
     const int64_t h = kvh * s.group + r / s.Lq, i = r % s.Lq;
     widen(q + b * st.qb + h * st.qh + i * st.qm, qf.data() + r * D, D);
   }
-  const T* kbase = k + b * st.kb + kvh * st.kh;
-  const T* vbase = v + b * st.vb + kvh * st.vh;
+  const KV* kbase = k + b * st.kb + kvh * st.kh;
+  const KV* vbase = v + b * st.vb + kvh * st.vh;
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const auto load_block = [&](const T* base, int64_t stride, int64_t j0) {
+  const auto load_block = [&](const KV* base, int64_t stride, int64_t j0) {
     for (int64_t i = 0; i < kBlock; ++i) {
       if (j0 + i < hi) {
-        widen(base + (j0 + i) * stride, block.data() + i * D, D);
+        load_row(base + (j0 + i) * stride, block.data() + i * D, D);
       } else {
         std::fill_n(block.data() + i * D, D, 0.f);
       }
@@ -272,7 +309,7 @@ void merge(const std::vector<Partial>& parts, const std::vector<float>& accs, co
   }
 }
 
-template <typename T>
+template <typename T, typename KV>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
                            const Shape& s, const Strides& st, at::Tensor& out) {
   // Split the keys of each (batch, KV head) so that every thread has work once the cache is long.
@@ -285,8 +322,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
   std::vector<Partial> parts(tasks * rows);
   std::vector<float> accs(tasks * rows * s.D, 0.f);
   const T* qp = q.const_data_ptr<T>();
-  const T* kp = k.const_data_ptr<T>();
-  const T* vp = v.const_data_ptr<T>();
+  const KV* kp = k.const_data_ptr<KV>();
+  const KV* vp = v.const_data_ptr<KV>();
   const int team = static_cast<int>(std::min<int64_t>(threads, tasks));
   const int64_t first_key = s.window > 0 ? std::max<int64_t>(0, s.filled - s.Lq - s.window + 1) : 0;
 #pragma omp parallel for num_threads(team) schedule(static) if (team > 1)
@@ -294,14 +331,25 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::T
     const int64_t head = t / splits, split = t % splits;
     const int64_t lo = std::max(first_key, split * split_len), hi = std::min(s.filled, (split + 1) * split_len);
     if (lo < hi) {
-      attend_range<T>(qp, kp, vp, mask, s, st, head / s.Hkv, head % s.Hkv, lo, hi, parts.data() + t * rows,
+      attend_range<T, KV>(qp, kp, vp, mask, s, st, head / s.Hkv, head % s.Hkv, lo, hi, parts.data() + t * rows,
                       accs.data() + t * rows * s.D);
     }
   }
   merge<T>(parts, accs, s, splits, out.mutable_data_ptr<T>());
 }
 
-// q (B, Hq, Lq, D); k_cache, v_cache (B, Hkv, S, D); filled: one integer element; mask: optional bool
+// The cache's element type: q's own, or a quantized format.
+template <typename T>
+void dispatch_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask, const Shape& s,
+                    const Strides& st, at::Tensor& out) {
+  switch (k.scalar_type()) {
+    case at::kChar: decode_attention_impl<T, int8_t>(q, k, v, mask, s, st, out); break;
+    case at::kFloat8_e4m3fn: decode_attention_impl<T, c10::Float8_e4m3fn>(q, k, v, mask, s, st, out); break;
+    default: decode_attention_impl<T, T>(q, k, v, mask, s, st, out);
+  }
+}
+
+// q (B, Hq, Lq, D); k_cache, v_cache (B, Hkv, S, D), or (B, Hkv, S, packed_width(D)) int8/fp8 rows; filled: one integer element; mask: optional bool
 // (B or 1, 1, Lq, >= filled). Innermost dims must be contiguous (a view of the cache is fine).
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& filled, double scale, int64_t window,
@@ -310,15 +358,17 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
               "fastflow_cpu::decode_attention: q, k_cache, v_cache must be 4-D");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
               "fastflow_cpu::decode_attention: CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "fastflow_cpu::decode_attention: q, k_cache, v_cache must share a dtype");
+  const bool quantized = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn;
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (quantized || q.scalar_type() == k_cache.scalar_type()),
+              "fastflow_cpu::decode_attention: k_cache and v_cache must share q's dtype, or one int8/fp8 format");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "fastflow_cpu::decode_attention: k/v cache shapes differ");
   TORCH_CHECK(q.stride(3) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "fastflow_cpu::decode_attention: the head dim must be contiguous");
   Shape s{q.size(0), q.size(1), k_cache.size(1), q.size(2), k_cache.size(2), q.size(3), 0, 0, window,
           static_cast<float>(scale)};
-  TORCH_CHECK(k_cache.size(0) == s.B && k_cache.size(3) == s.D && s.Hkv > 0 && s.Hq % s.Hkv == 0,
-              "fastflow_cpu::decode_attention: cache (B, Hkv, S, D) does not match q (B, Hq, Lq, D)");
+  const int64_t width = quantized ? (s.D + 3) / 4 * 4 + 4 : s.D;  // packed rows: values, pad, fp32 scale
+  TORCH_CHECK(k_cache.size(0) == s.B && k_cache.size(3) == width && s.Hkv > 0 && s.Hq % s.Hkv == 0,
+              "fastflow_cpu::decode_attention: cache (B, Hkv, S, ", width, ") does not match q (B, Hq, Lq, D)");
   TORCH_CHECK(filled.numel() == 1 && !filled.is_floating_point(),
               "fastflow_cpu::decode_attention: filled must hold one integer");
   s.group = s.Hq / s.Hkv;
@@ -343,9 +393,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   at::Tensor out = at::empty({s.B, s.Lq, s.Hq, s.D}, q.options());
   if (fastflow_cpu::null_kernels()) return out.zero_().transpose(1, 2);
   switch (q.scalar_type()) {
-    case at::kFloat: decode_attention_impl<float>(q, k_cache, v_cache, mask_ptr, s, st, out); break;
-    case at::kBFloat16: decode_attention_impl<c10::BFloat16>(q, k_cache, v_cache, mask_ptr, s, st, out); break;
-    case at::kHalf: decode_attention_impl<c10::Half>(q, k_cache, v_cache, mask_ptr, s, st, out); break;
+    case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, mask_ptr, s, st, out); break;
+    case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, mask_ptr, s, st, out); break;
+    case at::kHalf: dispatch_cache<c10::Half>(q, k_cache, v_cache, mask_ptr, s, st, out); break;
     default: TORCH_CHECK(false, "fastflow_cpu::decode_attention: unsupported dtype ", q.scalar_type());
   }
   return out.transpose(1, 2);
