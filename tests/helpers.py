@@ -127,3 +127,25 @@ def greedy_eager_then_fastflow(model, ids, new_tokens: int, **options):
     configure_generate(model, backend="fastflow", options={"on_error": "raise", **options})
     return eager, generate()
 
+
+
+def fake_quant_kv_attention(kv_dtype):
+    """The name of a transformers attention implementation that is the model's own eager attention
+    over K/V quantized and dequantized as a quantized fastflow cache stores them
+    (attention/kv_quant.py): the reference a model with that cache must reproduce."""
+    import sys
+
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    from ffl_backend.attention.kv_quant import dequantize_kv, quantize_kv
+
+    def attention(module, query, key, value, *args, **kwargs):
+        key, value = (dequantize_kv(quantize_kv(t, kv_dtype), t.shape[-1], t.dtype) for t in (key, value))
+        eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward")
+        return eager(module, query, key, value, *args, **kwargs)
+
+    name = f"fake_quant_kv_{str(kv_dtype).replace('torch.', '')}"
+    AttentionInterface.register(name, attention)
+    AttentionMaskInterface.register(name, eager_mask)
+    return name

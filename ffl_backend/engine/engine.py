@@ -131,7 +131,8 @@ class OptimizedInferenceEngine:
     def __init__(self, model_or_path, *, max_batch_size: int = 4, max_seq_len: int = 2048, quant=None,
                  device=None, block_size: int = 16, tokenizer=None, num_blocks: int | None = None,
                  cache_bytes: int | None = None, dtype=None, compile: str | None = "fastflow",
-                 compile_options: dict | None = None, warmup: bool = True):
+                 compile_options: dict | None = None, warmup: bool = True, kv_cache_dtype=None):
+        from ..attention.kv_quant import storage_dtype
         from . import hf_paged
         from .paged_cache import blocks_for, make_paged_cache
         from .runner import ModelRunner
@@ -150,13 +151,14 @@ class OptimizedInferenceEngine:
         self.max_batch_size, self.max_seq_len, self.block_size = max_batch_size, max_seq_len, block_size
         self.max_blocks = blocks_for(max_seq_len, block_size)
         dtype = next(model.parameters()).dtype if dtype is None or isinstance(dtype, str) else dtype
+        kv_dtype = storage_dtype(kv_cache_dtype)  # int8 / fp8 rows: more blocks in the same cache_bytes
         if num_blocks is None and cache_bytes is not None:
-            probe = make_paged_cache(model.config, 2, block_size, dtype, "meta")
+            probe = make_paged_cache(model.config, 2, block_size, dtype, "meta", kv_dtype)
             num_blocks = max(2, cache_bytes * 2 // probe.nbytes)
         self.num_blocks = num_blocks or max_batch_size * self.max_blocks + 1  # + the dummy block
         self._prev_attn = hf_paged.install(model)
         self.cache = make_paged_cache(model.config, self.num_blocks, block_size, dtype,
-                                      next(model.parameters()).device)
+                                      next(model.parameters()).device, kv_dtype)
         self.runner = ModelRunner(model, self.cache, max_batch_size, self.max_blocks, compile, compile_options)
         self.scheduler = Scheduler(self.runner, max_batch_size, self.num_blocks, block_size, _eos_ids(model, tokenizer),
                                    window=_window_of_every_layer(model.config))

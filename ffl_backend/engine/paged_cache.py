@@ -2,7 +2,10 @@
 keys/values into a pool of fixed-size blocks.
 
 Layout: per layer one K and one V pool of shape (num_blocks, block_size, Hkv, D), allocated once
-and never grown. Block 0 is a dummy: padded decode rows (batch buckets) write their garbage there
+and never grown; with a quantized cache (kv_dtype int8 / fp8 e4m3) D is attention/kv_quant.py's
+packed row (values + fp32 scale): new keys/values are quantized as they are written, and attention
+reads them as stored, dequantizing inside the op (a prefill too: the same numbers decode will see).
+Block 0 is a dummy: padded decode rows (batch buckets) write their garbage there
 and unused block-table entries point at it, so no real sequence's data is ever touched by padding.
 A token's slot is `block * block_size + offset`; `slot_mapping` (one int64 per new token) is a
 tensor given per step, so the write is the same graph whatever the slots are.
@@ -18,6 +21,8 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from ..attention.kv_quant import packed_width, quantize_kv_bytes
 
 DUMMY_BLOCK = 0
 
@@ -62,10 +67,11 @@ class PagedCacheMixin:
     imported lazily, so the class is created on first use)."""
 
     def _init_pools(self, num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
-                    dtype: torch.dtype, device) -> None:
-        self.num_blocks, self.block_size = num_blocks, block_size
+                    dtype: torch.dtype, device, kv_dtype: torch.dtype | None = None) -> None:
+        self.num_blocks, self.block_size, self.kv_dtype = num_blocks, block_size, kv_dtype
         self.step_slots, self.step_paged = None, False  # set by the runner before every step
-        shape = (num_blocks, block_size, kv_heads, head_dim)
+        width, dtype = (packed_width(head_dim), kv_dtype) if kv_dtype is not None else (head_dim, dtype)
+        shape = (num_blocks, block_size, kv_heads, width)
         self.k_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v_pools = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         for t in self.k_pools + self.v_pools:
@@ -87,13 +93,17 @@ class PagedCacheMixin:
         else:  # a model that calls update(k, v, layer_idx) without the forward's kwargs (GPT-NeoX)
             slots, paged = self.step_slots, self.step_paged
         k_pool, v_pool = self.k_pools[layer_idx], self.v_pools[layer_idx]
-        _, kv_heads, _, head_dim = key_states.shape
-        flat_k = k_pool.view(-1, kv_heads, head_dim)
-        flat_v = v_pool.view(-1, kv_heads, head_dim)
-        flat_k.index_copy_(0, slots, key_states.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(k_pool.dtype))
-        flat_v.index_copy_(0, slots, value_states.transpose(1, 2).reshape(-1, kv_heads, head_dim).to(v_pool.dtype))
+        if self.kv_dtype is not None:  # byte rows through an int8 view: CPU has no fp8 index_copy_
+            key_states = quantize_kv_bytes(key_states, self.kv_dtype)
+            value_states = quantize_kv_bytes(value_states, self.kv_dtype)
+        for pool, states in ((k_pool, key_states), (v_pool, value_states)):
+            rows = states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[-1])  # (B*L, Hkv, width)
+            pool = pool.view(torch.int8) if self.kv_dtype is not None else pool
+            pool.view(-1, *rows.shape[1:]).index_copy_(0, slots, rows.to(pool.dtype))
         if paged:
             return k_pool, v_pool
+        if self.kv_dtype is not None:
+            return key_states.view(self.kv_dtype), value_states.view(self.kv_dtype)
         return key_states, value_states
 
     # What transformers may ask of any cache; positions are always given explicitly, and the
@@ -112,8 +122,10 @@ class PagedCacheMixin:
 _CLASS = None
 
 
-def make_paged_cache(config, num_blocks: int, block_size: int, dtype: torch.dtype, device=None):
-    """A `transformers.cache_utils.Cache` subclass instance with pools for every layer of `config`."""
+def make_paged_cache(config, num_blocks: int, block_size: int, dtype: torch.dtype, device=None,
+                     kv_dtype: torch.dtype | None = None):
+    """A `transformers.cache_utils.Cache` subclass instance with pools for every layer of `config`;
+    `kv_dtype` (torch.int8 / torch.float8_e4m3fn) stores them quantized (module docstring)."""
     global _CLASS
     if _CLASS is None:
         _CLASS = type("PagedKVCache", (PagedCacheMixin, _cache_base()), {})
@@ -122,5 +134,5 @@ def make_paged_cache(config, num_blocks: int, block_size: int, dtype: torch.dtyp
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     cache = _CLASS(layers=[])
-    cache._init_pools(cfg.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device)
+    cache._init_pools(cfg.num_hidden_layers, num_blocks, block_size, kv_heads, head_dim, dtype, device, kv_dtype)
     return cache
