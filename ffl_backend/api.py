@@ -52,14 +52,12 @@ def kv_cache_bytes(config, batch_size: int, seq_len: int, dtype=torch.float32, c
     row = head_dim * itemsize (or, for a quantized cache, dtype "int8"/"fp8", head_dim rounded up to 4
     bytes + a 4-byte scale: attention/kv_quant.py), length = seq_len (or the window for sliding layers
     when `cap_sliding`). GQA-aware (num_key_value_heads); honours an explicit `head_dim` (Gemma, Qwen3)."""
-    from .attention.kv_quant import row_bytes, storage_dtype
+    from .attention.kv_quant import row_bytes
 
     cfg = _text_config(config)
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    if isinstance(dtype, str):
-        dtype = storage_dtype(dtype) if dtype.lower() in ("int8", "fp8") else getattr(torch, dtype)
     per_token = 2 * batch_size * kv_heads * row_bytes(head_dim, dtype)
     return sum(per_token * n for n in _layer_lengths(cfg, seq_len, cap_sliding))
 

@@ -243,6 +243,11 @@ class DecodeLoop:
             cache.reset()
         return cache
 
+    def cache_bytes(self) -> int:
+        """Bytes of the K/V tensors of every cache allocated so far (quantized rows as stored)."""
+        layers = [layer for cache in self._caches.values() for layer in cache.layers if layer.is_initialized]
+        return sum(t.numel() * t.element_size() for layer in layers for t in (layer.keys, layer.values))
+
     def _generate(self, ids, gc, attention_mask, defaults, kwargs, logits_processor, stopping_criteria, prefix_fn,
                   streamer):
         model = self.model

@@ -81,6 +81,20 @@ def test_each_fastflow_options_value_is_a_row_of_its_own():
     assert label(todo[2]) == "bfloat16 int8 fastflow int8_activations=int16 b1 p16"
 
 
+def test_kv_cache_dtype_rows_report_their_cache_memory(tiny_folder, tmp_path):
+    """One fastflow row per --kv-cache-dtype value; an int8 cache's rows (16 values + a 4-byte scale)
+    take 20/64 of the fp32 cache's bytes."""
+    out = tmp_path / "kv"
+    proc = _bench("--model", str(tiny_folder), "--backends", "fastflow", "--dtypes", "float32",
+                  "--kv-cache-dtype", "model", "int8", "--prompt-lens", "8", "--new-tokens", "4",
+                  "--repeats", "1", "--threads", "1", "--no-warm-compile", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "float32 fastflow kv_cache_dtype=int8 b1 p8" in proc.stdout and "KV cache MiB" in proc.stdout
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    full, int8 = (r["kv_cache_mb"] for r in rows)
+    assert int8 == pytest.approx(full * 20 / 64)
+
+
 def test_only_skipped_configurations(tiny_folder):
     _one_line_error(_bench("--model", str(tiny_folder), "--dtypes", "float32", "--quant", "int8"),
                     "skipped", "bfloat16")

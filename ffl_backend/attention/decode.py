@@ -32,10 +32,11 @@ from torch import Tensor
 
 from ..kernels import cpu_lib
 from ..kernels._triton import HAS_TRITON, AotSpec, on_triton_device, ptr, tl, triton
-from .kv_quant import dequantized
+from .kv_quant import check_packed, dequantized, is_quantized, triton_kv_args
 from .prefill import (
     AOT_BLOCK_DS,
     AOT_DTYPES,
+    KV_QUANT_PTRS,
     capped_attention,
     dot_precision,
     flash_launch,
@@ -68,14 +69,14 @@ def decode_tile(head_dim: int, dtype_bytes: int) -> tuple[int, int]:
 
 
 if HAS_TRITON:
-    from .prefill import dot, scores
+    from .prefill import dot, load_kv, scores
 
     @triton.jit
-    def _split_kernel(q_ptr, k_ptr, v_ptr, filled_ptr, mask_ptr, acc_ptr, ml_ptr,
+    def _split_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, filled_ptr, mask_ptr, acc_ptr, ml_ptr,
                       sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, sm_b, sm_m,
-                      n_kv_heads, group, q_len, head_dim, n_splits, scale, window, softcap,
-                      HAS_MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                      n_kv_heads, group, q_len, head_dim, n_splits, scale, window, softcap, scale_off,
+                      HAS_MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, KV_QUANT: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         bkv = tl.program_id(0)
         split = tl.program_id(1)
         b = (bkv // n_kv_heads).to(tl.int64)
@@ -99,14 +100,15 @@ if HAS_TRITON:
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         offs_n = tl.arange(0, BLOCK_N)
-        base_k = k_ptr + b * sk_b + kvh.to(tl.int64) * sk_h
-        base_v = v_ptr + b * sv_b + kvh.to(tl.int64) * sv_h
+        base_k = b * sk_b + kvh.to(tl.int64) * sk_h
+        base_v = b * sv_b + kvh.to(tl.int64) * sv_h
         for start in range(lo, hi, BLOCK_N):
             cols = start + offs_n
             n_ok = cols < hi
-            k = tl.load(base_k + cols[None, :] * sk_n + offs_d[:, None],
-                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            s = scores(q, k, scale, softcap, DOT_PREC, UPCAST)
+            k_rows = base_k + cols * sk_n
+            k, ks = load_kv(k_ptr, ks_ptr, k_rows[None, :] + offs_d[:, None], k_rows, n_ok[None, :] & d_ok[:, None],
+                            n_ok, q.dtype, KV_QUANT, scale_off)
+            s = scores(q, k, scale * ks, softcap, DOT_PREC, UPCAST)
             ok = (cols[None, :] <= pos[:, None]) & n_ok[None, :] & r_ok[:, None]
             if window > 0:
                 ok = ok & (pos[:, None] - cols[None, :] < window)
@@ -120,9 +122,10 @@ if HAS_TRITON:
             alpha = tl.math.exp2(m_i - m_safe)
             p = tl.math.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(base_v + cols[:, None] * sv_n + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
+            v_rows = base_v + cols * sv_n
+            v, vs = load_kv(v_ptr, vs_ptr, v_rows[:, None] + offs_d[None, :], v_rows, n_ok[:, None] & d_ok[None, :],
+                            n_ok, q.dtype, KV_QUANT, scale_off)
+            acc = acc * alpha[:, None] + dot((p * vs).to(q.dtype), v, DOT_PREC, UPCAST)
             m_i = m_new
         # Partials in (B, Hq, Lq, n_splits) row order; an empty split writes (-inf, 0, 0).
         idx = ((b * n_kv_heads * group + r_head) * q_len + r_q) * n_splits + split
@@ -168,6 +171,9 @@ def attention_decode_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled:
     if group * q_len > max_rows:
         return flash_launch(q, k_cache, v_cache, scale, window, softcap, filled=filled, mask=mask, run=_direct)
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
+    if is_quantized(k_cache):
+        check_packed(q, k_cache, v_cache)
+    k_cache, v_cache, k_scales, v_scales, kv_quant, scale_off = triton_kv_args(k_cache, v_cache)
     if mask is not None:
         mask = mask.to(torch.bool).expand(bsz, 1, q_len, mask.shape[-1])
         mask = mask if mask.stride(-1) == 1 else mask.contiguous()
@@ -176,12 +182,12 @@ def attention_decode_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled:
     ml = torch.empty((bsz, n_heads, q_len, n_splits, 2), dtype=torch.float32, device=q.device)
     block_d = head_block(head_dim)
     _split_kernel[(bsz * n_kv, n_splits)](
-        q, k_cache, v_cache, filled, mask if mask is not None else q, acc, ml,
+        q, k_cache, v_cache, k_scales, v_scales, filled, mask if mask is not None else q, acc, ml,
         q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         mask.stride(0) if mask is not None else 0, mask.stride(2) if mask is not None else 0,
-        n_kv, group, q_len, head_dim, n_splits, scale, window, float(softcap),
-        HAS_MASK=mask is not None, DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(),
+        n_kv, group, q_len, head_dim, n_splits, scale, window, float(softcap), scale_off,
+        HAS_MASK=mask is not None, DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(), KV_QUANT=kv_quant,
         BLOCK_M=row_block(group * q_len), BLOCK_N=block_n, BLOCK_D=block_d, num_warps=4)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _reduce_kernel[(bsz * n_heads * q_len,)](acc, ml, out, out.stride(0), out.stride(1), out.stride(2),
@@ -246,18 +252,21 @@ def aot_specs() -> list[AotSpec]:
     of code). The reduce kernel for every (dtype, head block). fp16 = bf16, as in prefill.aot_specs."""
     specs = []
     strides = ("sq_b", "sq_h", "sq_m", "sk_b", "sk_h", "sk_n", "sv_b", "sv_h", "sv_n", "sm_b", "sm_m")
-    variants = [(dt, d, decode_tile(d, 4 if dt == "fp32" else 2)) for dt in AOT_DTYPES for d in AOT_BLOCK_DS]
-    variants += [("bf16", 64, (16, 64)), ("bf16", 128, (16, 64))]
-    for dt, block_d, (block_m, block_n) in variants:
-        sig = {"q_ptr": ptr(dt), "k_ptr": ptr(dt), "v_ptr": ptr(dt), "filled_ptr": "*i64", "mask_ptr": "*i1",
-               "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
+    variants = [(dt, d, decode_tile(d, 4 if dt == "fp32" else 2), 0) for dt in AOT_DTYPES for d in AOT_BLOCK_DS]
+    variants += [("bf16", 64, (16, 64), 0), ("bf16", 128, (16, 64), 0)]
+    variants += [("bf16", 128, (16, 64), code) for code in KV_QUANT_PTRS]  # int8 / fp8 caches
+    for dt, block_d, (block_m, block_n), kv_quant in variants:
+        kv_ptr = KV_QUANT_PTRS.get(kv_quant, ptr(dt))
+        sig = {"q_ptr": ptr(dt), "k_ptr": kv_ptr, "v_ptr": kv_ptr, "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+               "filled_ptr": "*i64", "mask_ptr": "*i1", "acc_ptr": "*fp32", "ml_ptr": "*fp32"}
         sig.update({n: "i64" for n in strides})
         sig.update({n: "i32" for n in ("n_kv_heads", "group", "q_len", "head_dim", "n_splits")})
-        sig.update({"scale": "fp32", "window": "i32", "softcap": "fp32"})
+        sig.update({"scale": "fp32", "window": "i32", "softcap": "fp32", "scale_off": "i32"})
         const = {"HAS_MASK": True, "DOT_PREC": "ieee" if dt == "fp32" else "tf32", "UPCAST": False,
-                 "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d}
+                 "KV_QUANT": kv_quant, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d}
         sig.update({n: "constexpr" for n in const})
-        specs.append(AotSpec(f"attention_decode_split[{dt},D{block_d},M{block_m}]", _split_kernel, sig, const))
+        kv = f",kv={kv_ptr[1:]}" if kv_quant else ""
+        specs.append(AotSpec(f"attention_decode_split[{dt},D{block_d},M{block_m}{kv}]", _split_kernel, sig, const))
     for dt in AOT_DTYPES:
         for block_d in AOT_BLOCK_DS:
             sig = {"acc_ptr": "*fp32", "ml_ptr": "*fp32", "o_ptr": ptr(dt), "so_b": "i64", "so_h": "i64",

@@ -55,8 +55,10 @@ def packed_width(head_dim: int) -> int:
 
 
 def row_bytes(head_dim: int, dtype) -> int:
-    """Bytes one cached token of one KV head takes in a cache of `dtype` (storage or float)."""
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    """Bytes one cached token of one KV head takes in a cache of `dtype` (storage or float dtype, or
+    its name: "int8", "fp8", "bfloat16", ...)."""
+    if isinstance(dtype, str):
+        dtype = KV_CACHE_DTYPES.get(dtype.lower()) or getattr(torch, dtype)
     if dtype in QUANTIZED_DTYPES:
         return packed_width(head_dim)
     return head_dim * torch.empty((), dtype=dtype).element_size()
@@ -108,3 +110,16 @@ def dequantized(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         return k, v
     check_packed(q, k, v)
     return dequantize_kv(k, q.shape[-1], q.dtype), dequantize_kv(v, q.shape[-1], q.dtype)
+
+
+def triton_kv_args(k: Tensor, v: Tensor) -> tuple:
+    """What the Triton kernels take for K and V: (k data, v data, k scales, v scales, KV_QUANT,
+    SCALE_OFF). Float caches: themselves (the scale pointers unused), KV_QUANT 0. Quantized: the
+    bytes (fp8 as uint8: the kernels decode e4m3 bit by bit, which every GPU and the interpreter
+    can), the same storage seen as fp32 for the scales (row r's scale at fp32 index
+    (byte offset of r + SCALE_OFF) / 4), KV_QUANT 1 (int8) or 2 (fp8)."""
+    if not is_quantized(k):
+        return k, v, k, v, 0, 0
+    code = 1 if k.dtype == torch.int8 else 2
+    data = (k, v) if code == 1 else (k.view(torch.uint8), v.view(torch.uint8))
+    return (*data, k.view(torch.float32), v.view(torch.float32), code, k.shape[-1] - SCALE_BYTES)

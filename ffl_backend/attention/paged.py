@@ -30,12 +30,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels._triton import HAS_TRITON, AotSpec, on_triton_device, ptr, tl, triton
-from .kv_quant import dequantized
-from .prefill import capped_attention, dot_precision, head_block, upcast_dot
+from .kv_quant import check_packed, dequantized, is_quantized, triton_kv_args
+from .prefill import KV_QUANT_PTRS, capped_attention, dot_precision, head_block, upcast_dot
 from .reference import attention_ref
 
 if HAS_TRITON:
-    from .prefill import dot, scores
+    from .prefill import dot, load_kv, scores
 
 
 def paged_decode_ref(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tensor, seq_lens: Tensor,
@@ -112,11 +112,11 @@ def _paged_masked(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables: Tenso
 if HAS_TRITON:
 
     @triton.jit
-    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, len_ptr, o_ptr,
+    def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, len_ptr, o_ptr,
                              sq_b, sq_h, sk_blk, sk_n, sk_h, sv_blk, sv_n, sv_h, sbt_b, so_b, so_h,
-                             n_kv_heads, group, head_dim, scale, window, softcap,
-                             DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                             n_kv_heads, group, head_dim, scale, window, softcap, scale_off,
+                             DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, KV_QUANT: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1)
         n = tl.load(len_ptr + b).to(tl.int32)
@@ -137,18 +137,20 @@ if HAS_TRITON:
         for j in range(lo // BLOCK_N, tl.cdiv(n, BLOCK_N)):
             blk = tl.load(bt_ptr + b * sbt_b + j).to(tl.int64)
             n_ok = (j * BLOCK_N + offs_n < n) & (j * BLOCK_N + offs_n >= lo)
-            k = tl.load(k_ptr + blk * sk_blk + offs_n[None, :] * sk_n + kvh * sk_h + offs_d[:, None],
-                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            s = scores(q, k, scale, softcap, DOT_PREC, UPCAST)
+            k_rows = blk * sk_blk + offs_n * sk_n + kvh * sk_h
+            k, ks = load_kv(k_ptr, ks_ptr, k_rows[None, :] + offs_d[:, None], k_rows, n_ok[None, :] & d_ok[:, None],
+                            n_ok, q.dtype, KV_QUANT, scale_off)
+            s = scores(q, k, scale * ks, softcap, DOT_PREC, UPCAST)
             s = tl.where(n_ok[None, :] & r_ok[:, None], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.math.exp2(m_i - m_safe)
             p = tl.math.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + blk * sv_blk + offs_n[:, None] * sv_n + kvh * sv_h + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
+            v_rows = blk * sv_blk + offs_n * sv_n + kvh * sv_h
+            v, vs = load_kv(v_ptr, vs_ptr, v_rows[:, None] + offs_d[None, :], v_rows, n_ok[:, None] & d_ok[None, :],
+                            n_ok, q.dtype, KV_QUANT, scale_off)
+            acc = acc * alpha[:, None] + dot((p * vs).to(q.dtype), v, DOT_PREC, UPCAST)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + b * so_b + heads[:, None] * so_h + offs_d[None, :], out.to(o_ptr.dtype.element_ty),
@@ -168,14 +170,17 @@ def paged_decode_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables:
     if block < 16 or block & (block - 1):
         raise ValueError(f"the Triton paged decode needs a power-of-two block_size >= 16, got {block}")
     q, k_pool, v_pool = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_pool, v_pool))
+    if is_quantized(k_pool):
+        check_packed(q, k_pool, v_pool)
+    k_pool, v_pool, k_scales, v_scales, kv_quant, scale_off = triton_kv_args(k_pool, v_pool)
     block_tables = block_tables.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _paged_decode_kernel[(bsz, n_kv)](
-        q, k_pool, v_pool, block_tables, seq_lens, out,
+        q, k_pool, v_pool, k_scales, v_scales, block_tables, seq_lens, out,
         q.stride(0), q.stride(1), k_pool.stride(0), k_pool.stride(1), k_pool.stride(2),
         v_pool.stride(0), v_pool.stride(1), v_pool.stride(2), block_tables.stride(0), out.stride(0), out.stride(1),
-        n_kv, n_heads // n_kv, head_dim, scale, window, float(softcap),
-        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(), BLOCK_M=_row_block(n_heads // n_kv),
+        n_kv, n_heads // n_kv, head_dim, scale, window, float(softcap), scale_off,
+        DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(), KV_QUANT=kv_quant, BLOCK_M=_row_block(n_heads // n_kv),
         BLOCK_N=block, BLOCK_D=head_block(head_dim), num_warps=4)
     return out
 
@@ -199,21 +204,24 @@ AOT_GROUPS = (1, 8, 32)  # row blocks 16, 16, 32
 
 
 def aot_specs() -> list[AotSpec]:
-    """Every (dtype, head block, row block, block size) the launcher picks for common models."""
+    """Every (dtype, head block, row block, block size) the launcher picks for common models, and the
+    int8 / fp8 cache variants at bf16 D128 with 16-token blocks."""
     specs = []
     strides = ("sq_b", "sq_h", "sk_blk", "sk_n", "sk_h", "sv_blk", "sv_n", "sv_h", "sbt_b", "so_b", "so_h")
-    for dt in ("fp32", "bf16"):
-        for d in AOT_HEAD_DIMS:
-            for block_m in sorted({_row_block(g) for g in AOT_GROUPS}):
-                for block_n in AOT_BLOCKS:
-                    sig = {"q_ptr": ptr(dt), "k_ptr": ptr(dt), "v_ptr": ptr(dt), "bt_ptr": "*i32",
-                           "len_ptr": "*i32", "o_ptr": ptr(dt)}
-                    sig.update({s: "i64" for s in strides})
-                    sig.update({"n_kv_heads": "i32", "group": "i32", "head_dim": "i32", "scale": "fp32",
-                                "window": "i32", "softcap": "fp32"})
-                    const = {"DOT_PREC": dot_precision(torch.float32 if dt == "fp32" else torch.bfloat16),
-                             "UPCAST": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": head_block(d)}
-                    sig.update({c: "constexpr" for c in const})
-                    specs.append(AotSpec(f"paged_decode[{dt},D{d},M{block_m},N{block_n}]",
-                                         _paged_decode_kernel, sig, const))
+    variants = [(dt, d, m, n, 0) for dt in ("fp32", "bf16") for d in AOT_HEAD_DIMS
+                for m in sorted({_row_block(g) for g in AOT_GROUPS}) for n in AOT_BLOCKS]
+    variants += [("bf16", 128, 16, 16, code) for code in KV_QUANT_PTRS]
+    for dt, d, block_m, block_n, kv_quant in variants:
+        kv_ptr = KV_QUANT_PTRS.get(kv_quant, ptr(dt))
+        sig = {"q_ptr": ptr(dt), "k_ptr": kv_ptr, "v_ptr": kv_ptr, "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+               "bt_ptr": "*i32", "len_ptr": "*i32", "o_ptr": ptr(dt)}
+        sig.update({s: "i64" for s in strides})
+        sig.update({"n_kv_heads": "i32", "group": "i32", "head_dim": "i32", "scale": "fp32",
+                    "window": "i32", "softcap": "fp32", "scale_off": "i32"})
+        const = {"DOT_PREC": dot_precision(torch.float32 if dt == "fp32" else torch.bfloat16),
+                 "UPCAST": False, "KV_QUANT": kv_quant, "BLOCK_M": block_m, "BLOCK_N": block_n,
+                 "BLOCK_D": head_block(d)}
+        sig.update({c: "constexpr" for c in const})
+        kv = f",kv={kv_ptr[1:]}" if kv_quant else ""
+        specs.append(AotSpec(f"paged_decode[{dt},D{d},M{block_m},N{block_n}{kv}]", _paged_decode_kernel, sig, const))
     return specs

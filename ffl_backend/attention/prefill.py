@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels._triton import HAS_TRITON, AotSpec, interpreting, launch, on_triton_device, ptr, tl, triton
-from .kv_quant import dequantized
+from .kv_quant import check_packed, dequantized, is_quantized, triton_kv_args
 from .reference import visible
 
 # Head dims of the supported families (64 SmolLM2, 80 Phi-2, 96 Phi-3, 128 Llama/Mistral, 256 Gemma)
@@ -73,6 +73,31 @@ if HAS_TRITON:
         return tl.dot(a, b, input_precision=DOT_PREC)
 
     @triton.jit
+    def stored_values(x, KV_QUANT: tl.constexpr):
+        """A tile of stored K/V as fp32 before its row scales (kv_quant.py): int8 as is; fp8 e4m3
+        bytes decoded from their bits (2^(e-7) (1 + m/8), subnormals m 2^-9; the cache never
+        holds NaN), so no fp8 type support is needed on the GPU or in the interpreter."""
+        if KV_QUANT == 2:
+            b = x.to(tl.int32) & 0xFF
+            e = (b >> 3) & 15
+            m = b & 7
+            normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+            mag = tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+            return tl.where(b >= 128, -mag, mag)
+        return x.to(tl.float32)
+
+    @triton.jit
+    def load_kv(ptr, scale_ptr, offs, row_offs, ok, row_ok, dtype, KV_QUANT: tl.constexpr, SCALE_OFF):
+        """A K or V tile in `dtype` (q's) and its per-row scales (1.0 for a float cache). Stored values are
+        exact in bf16 (int8, and e4m3's 3 mantissa bits), so the tensor-core dots stay exact; the scales
+        multiply the scores (K) or the probabilities (V) in fp32."""
+        x = tl.load(ptr + offs, mask=ok, other=0)
+        if KV_QUANT > 0:
+            rs = tl.load(scale_ptr + (row_offs + SCALE_OFF) // 4, mask=row_ok, other=0.0)
+            return stored_values(x, KV_QUANT).to(dtype), rs
+        return x, 1.0
+
+    @triton.jit
     def scores(q, k, scale, softcap, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
         """Scaled (and, softcap > 0, soft-capped) scores in the exp2 domain. tanh(x) = 1 - 2 / (e^2x + 1):
         saturates cleanly at both ends, and the interpreter and every Triton version have exp. 2x is
@@ -83,11 +108,11 @@ if HAS_TRITON:
         return s * 1.4426950408889634
 
     @triton.jit
-    def _flash_kernel(q_ptr, k_ptr, v_ptr, o_ptr, filled_ptr, mask_ptr,
+    def _flash_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, o_ptr, filled_ptr, mask_ptr,
                       sq_b, sq_h, sq_m, sk_b, sk_h, sk_n, sv_b, sv_h, sv_n, so_b, so_h, so_m,
-                      sm_b, sm_m, n_heads, group, q_len, kv_len, head_dim, scale, window, softcap,
+                      sm_b, sm_m, n_heads, group, q_len, kv_len, head_dim, scale, window, softcap, scale_off,
                       HAS_FILLED: tl.constexpr, HAS_MASK: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+                      KV_QUANT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
         pid_m = tl.program_id(0)
         bh = tl.program_id(1)
         b = (bh // n_heads).to(tl.int64)
@@ -116,9 +141,10 @@ if HAS_TRITON:
         for start in range(lo, hi, BLOCK_N):
             cols = start + offs_n
             n_ok = cols < hi
-            k = tl.load(k_ptr + b * sk_b + kvh * sk_h + cols[None, :] * sk_n + offs_d[:, None],
-                        mask=n_ok[None, :] & d_ok[:, None], other=0.0)
-            s = scores(q, k, scale, softcap, DOT_PREC, UPCAST)
+            k_rows = b * sk_b + kvh * sk_h + cols * sk_n
+            k, ks = load_kv(k_ptr, ks_ptr, k_rows[None, :] + offs_d[:, None], k_rows, n_ok[None, :] & d_ok[:, None],
+                            n_ok, q.dtype, KV_QUANT, scale_off)
+            s = scores(q, k, scale * ks, softcap, DOT_PREC, UPCAST)
             ok = (cols[None, :] <= pos[:, None]) & n_ok[None, :] & m_ok[:, None]
             if window > 0:
                 ok = ok & (pos[:, None] - cols[None, :] < window)
@@ -132,9 +158,10 @@ if HAS_TRITON:
             alpha = tl.math.exp2(m_i - m_safe)
             p = tl.math.exp2(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = tl.load(v_ptr + b * sv_b + kvh * sv_h + cols[:, None] * sv_n + offs_d[None, :],
-                        mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-            acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, DOT_PREC, UPCAST)
+            v_rows = b * sv_b + kvh * sv_h + cols * sv_n
+            v, vs = load_kv(v_ptr, vs_ptr, v_rows[:, None] + offs_d[None, :], v_rows, n_ok[:, None] & d_ok[None, :],
+                            n_ok, q.dtype, KV_QUANT, scale_off)
+            acc = acc * alpha[:, None] + dot((p * vs).to(q.dtype), v, DOT_PREC, UPCAST)
             m_i = m_new
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
         tl.store(o_ptr + b * so_b + h * so_h + offs_m[:, None] * so_m + offs_d[None, :],
@@ -146,20 +173,23 @@ def flash_launch(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int, sof
     """Launch `_flash_kernel`; `run` is `launch` (wrap_triton, traceable) or a direct call."""
     bsz, n_heads, q_len, head_dim = q.shape
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    if is_quantized(k):
+        check_packed(q, k, v)
+    k, v, k_scales, v_scales, kv_quant, scale_off = triton_kv_args(k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_m, block_n, warps = tile(head_dim, q.element_size())
     if mask is not None:
         mask = mask.to(torch.bool).expand(bsz, 1, q_len, mask.shape[-1])
         mask = mask if mask.stride(-1) == 1 else mask.contiguous()
     grid = (triton.cdiv(q_len, block_m), bsz * n_heads)
-    run(_flash_kernel, grid, q, k, v, out, filled if filled is not None else out,
+    run(_flash_kernel, grid, q, k, v, k_scales, v_scales, out, filled if filled is not None else out,
         mask if mask is not None else out, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         mask.stride(0) if mask is not None else 0, mask.stride(2) if mask is not None else 0,
-        n_heads, n_heads // k.shape[1], q_len, k.shape[2], head_dim, scale, window, float(softcap),
+        n_heads, n_heads // k.shape[1], q_len, k.shape[2], head_dim, scale, window, float(softcap), scale_off,
         HAS_FILLED=filled is not None, HAS_MASK=mask is not None, DOT_PREC=dot_precision(q.dtype), UPCAST=upcast_dot(),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim), num_warps=warps)
+        KV_QUANT=kv_quant, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim), num_warps=warps)
     return out
 
 
@@ -204,24 +234,31 @@ def attention_prefill(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int
     return attention_prefill_cpu(q, k, v, scale, window, softcap).contiguous()
 
 
+# Stored K/V pointer types of the quantized caches the kernels read (kv_quant.triton_kv_args).
+KV_QUANT_PTRS = {1: "*i8", 2: "*u8"}
+
+
 def aot_specs() -> list[AotSpec]:
     """Every (dtype, head block) tile the launcher can pick, with the HAS_FILLED/HAS_MASK branches on
-    (their superset of code), plus the plain prefill variant once. fp16 compiles to the same tile
-    shapes, shared memory and registers as bf16, so bf16 stands for both: one compile takes 5-10 s
-    here, and the suite has to stay affordable."""
+    (their superset of code), plus the plain prefill variant once, and the int8 / fp8 cache variants
+    at bf16 D128. fp16 compiles to the same tile shapes, shared memory and registers as bf16, so bf16
+    stands for both: one compile takes 5-10 s here, and the suite has to stay affordable."""
     specs = []
-    variants = [(dt, d, True) for dt in AOT_DTYPES for d in AOT_BLOCK_DS] + [("bf16", 128, False)]
-    for dt, block_d, flags in variants:
+    variants = [(dt, d, True, 0) for dt in AOT_DTYPES for d in AOT_BLOCK_DS] + [("bf16", 128, False, 0)]
+    variants += [("bf16", 128, True, code) for code in KV_QUANT_PTRS]
+    for dt, block_d, flags, kv_quant in variants:
         block_m, block_n, warps = tile(block_d, 4 if dt == "fp32" else 2)
-        sig = {"q_ptr": ptr(dt), "k_ptr": ptr(dt), "v_ptr": ptr(dt), "o_ptr": ptr(dt),
-               "filled_ptr": "*i64" if flags else ptr(dt), "mask_ptr": "*i1" if flags else ptr(dt)}
+        kv_ptr = KV_QUANT_PTRS.get(kv_quant, ptr(dt))
+        sig = {"q_ptr": ptr(dt), "k_ptr": kv_ptr, "v_ptr": kv_ptr, "ks_ptr": "*fp32", "vs_ptr": "*fp32",
+               "o_ptr": ptr(dt), "filled_ptr": "*i64" if flags else ptr(dt), "mask_ptr": "*i1" if flags else ptr(dt)}
         sig.update({n: "i64" for n in ("sq_b", "sq_h", "sq_m", "sk_b", "sk_h", "sk_n", "sv_b",
                                        "sv_h", "sv_n", "so_b", "so_h", "so_m", "sm_b", "sm_m")})
         sig.update({n: "i32" for n in ("n_heads", "group", "q_len", "kv_len", "head_dim")})
-        sig.update({"scale": "fp32", "window": "i32", "softcap": "fp32"})
+        sig.update({"scale": "fp32", "window": "i32", "softcap": "fp32", "scale_off": "i32"})
         const = {"HAS_FILLED": flags, "HAS_MASK": flags, "DOT_PREC": "ieee" if dt == "fp32" else "tf32",
-                 "UPCAST": False, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d}
+                 "UPCAST": False, "KV_QUANT": kv_quant, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_D": block_d}
         sig.update({n: "constexpr" for n in const})
-        specs.append(AotSpec(f"attention_flash[{dt},D{block_d},filled_mask={flags}]",
+        kv = f",kv={kv_ptr[1:]}" if kv_quant else ""
+        specs.append(AotSpec(f"attention_flash[{dt},D{block_d},filled_mask={flags}{kv}]",
                              _flash_kernel, sig, const, num_warps=warps))
     return specs

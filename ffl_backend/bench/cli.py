@@ -93,7 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fastflow-options", nargs="+", type=_options, default=[None], metavar="JSON",
                    help="backend options of the fastflow rows, one row per JSON object, e.g. "
                         "'{}' '{\"int8_activations\": \"int16\"}' (default: the defaults)")
+    p.add_argument("--kv-cache-dtype", nargs="+", default=["model"], choices=("model", "int8", "fp8"),
+                   help="the fastflow rows' KV cache: the model's dtype, int8 or fp8 (e4m3) rows with per-token "
+                        "scales; one row per value and --fastflow-options object (e.g. model int8)")
     return p
+
+
+def fastflow_variants(options: list, kv_cache_dtypes: list) -> list:
+    """One fastflow row per (backend options, KV cache dtype); kv_cache_dtype goes to optimize()."""
+    return [{**(o or {}), "kv_cache_dtype": kv} if kv != "model" else o for o in options for kv in kv_cache_dtypes]
 
 
 def resolve_model(folder: str | None) -> str:
@@ -171,7 +179,8 @@ def _run(args, model: str, device: str, command: str) -> int:
                     text=args.text, log=log, quants=args.quant, batches=args.batch_sizes, warmup=args.warmup,
                     warm_compile=not args.no_warm_compile, device=device, threads=args.threads,
                     progress=not args.no_progress, schedule=args.schedule,
-                    fastflow_variants=args.fastflow_options, left_pad=args.left_pad, tps=args.tp)
+                    fastflow_variants=fastflow_variants(args.fastflow_options, args.kv_cache_dtype),
+                    left_pad=args.left_pad, tps=args.tp)
     grid["command"] = command
     paths = write_all(grid, args.out)
     print(header(grid) + "\n\n" + table(grid))

@@ -15,7 +15,7 @@ CSV_COLUMNS = (
     "load_s", "quantize_s", "compile_cold_s", "compile_warm_s",
     "ttft_s", "prefill_tok_s", "decode_tok_s", "decode_tok_s_min", "decode_tok_s_max", "decode_spread_pct",
     "speedup_vs_inductor", "speedup_vs_inductor_paired", "speedup_vs_llamacpp", "speedup_vs_llamacpp_paired",
-    "peak_rss_mb", "runtime_rss_mb", "model_peak_rss_mb", "cuda_peak_mb",
+    "peak_rss_mb", "runtime_rss_mb", "model_peak_rss_mb", "cuda_peak_mb", "kv_cache_mb",
     "weight_bytes", "effective_gbs", "ceiling_gbs", "pct_of_ceiling",
     "recompiles", "graphs_compiled_while_timed", "matching_prefix", "tokens_equal_eager", "rows_equal", "error",
 )
@@ -52,12 +52,12 @@ def table(grid: dict) -> str:
     llama = any(r.get("backend") == "llamacpp" for r in grid["results"])
     rows = ["| configuration | decode tok/s median (min-max) | vs inductor | " + ("vs llama.cpp | " if llama else "")
             + "TTFT ms | prefill tok/s | compile s cold / warm | load s | peak RSS MB (above runtime) | "
-            "weights GB/s (% of ceiling) | recompiles | tokens = eager |",
-            "|---" * (12 if llama else 11) + "|"]
+            "KV cache MiB | weights GB/s (% of ceiling) | recompiles | tokens = eager |",
+            "|---" * (13 if llama else 12) + "|"]
     for r in grid["results"]:
         name = label(r) if "quant" in r else f"{r['dtype']} {r['backend']}"
         if "error" in r:
-            rows.append(f"| {name} | error: {r['error']} |" + " |" * (10 if llama else 9))
+            rows.append(f"| {name} | error: {r['error']} |" + " |" * (11 if llama else 10))
             continue
         vs_llama = f"{_times(speedup(r, 'llamacpp'))} | " if llama else ""
         spread = (f" ({r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f})"
@@ -68,7 +68,7 @@ def table(grid: dict) -> str:
             f"{_fmt(r.get('compile_cold_s', r.get('first_generate_s')), '.1f')} / "
             f"{_fmt(r.get('compile_warm_s'), '.1f')} | {_fmt(r.get('load_s'), '.1f')} | "
             f"{r['peak_rss_mb']:.0f} ({_fmt(r.get('model_peak_rss_mb'), '.0f')}) | "
-            f"{_fmt(r.get('effective_gbs'), '.1f')} "
+            f"{_fmt(r.get('kv_cache_mb'), '.1f')} | {_fmt(r.get('effective_gbs'), '.1f')} "
             f"({_fmt(r.get('pct_of_ceiling'), '.0f')}%) | {_fmt(r.get('recompiles'), 'd')} | "
             f"{_agreement_cell(r)} |")
     return "\n".join(rows)

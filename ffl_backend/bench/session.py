@@ -231,6 +231,7 @@ class Session:
         if self.cfg.get("tp", 1) > 1:
             out.update(all_reduce_share(self.model, out["decode_tok_s"] / self.cfg.get("batch", 1), self.cfg["batch"]))
         out["runtime_rss_mb"] = self.runtime_rss_mb
+        out["kv_cache_mb"] = kv_cache_mb(self.model)
         # What loading, quantizing, compiling and running this model added to the process's peak.
         out["model_peak_rss_mb"] = (out["peak_rss_mb"] - self.runtime_rss_mb
                                     if self.runtime_rss_mb is not None else None)
@@ -265,6 +266,12 @@ def all_reduce_share(model, steps_per_s: float, batch: int, calls: int = 200) ->
     per_step = all_reduce_count(model) or 2 * model.config.num_hidden_layers
     return {"tp": dist.get_world_size(), "allreduce_us": 1e6 * seconds, "allreduce_per_step": per_step,
             "allreduce_share_pct": 100 * per_step * seconds * steps_per_s}
+
+
+def kv_cache_mb(model) -> float | None:
+    """MiB of the static caches fastflow's decode loop allocated (None for other rows)."""
+    loop = getattr(getattr(model, "generate", None), "__wrapped__", None)
+    return loop.cache_bytes() / 2**20 if hasattr(loop, "cache_bytes") else None
 
 
 def _optimize(model, cfg: dict) -> None:

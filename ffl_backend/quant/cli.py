@@ -32,17 +32,62 @@ def perplexity(model, ids: torch.Tensor, window: int = WINDOW, bos: int | None =
     (llama.cpp's perplexity does the same): Gemma without it in front loses its attention sink.
     """
     total_nll, total = 0.0, 0
-    step = window - (bos is not None)
     with torch.no_grad():
-        for start in range(0, ids.numel() - 1, step):
-            chunk = _with_bos(ids[start:start + step], bos)[None]
-            if chunk.shape[1] < 2:
-                break
+        for chunk in _windows(ids, window, bos):
             logits = model(input_ids=chunk, use_cache=False).logits.float()
             nll = torch.nn.functional.cross_entropy(logits[0, :-1], chunk[0, 1:], reduction="sum")
             total_nll += nll.item()
             total += chunk.shape[1] - 1
     return math.exp(total_nll / total)
+
+
+def kv_cache_rows(model, ids: torch.Tensor, window: int, bos: int | None, kv_cache_dtypes: list) -> list[dict]:
+    """Perplexity with the KV cache stored as each of `kv_cache_dtypes` ("int8", "fp8"), next to the
+    model's own dtype through the same path: fastflow attention over a static cache that each window
+    fills (the prompt attends over the cached, i.e. quantized, keys and values, as every decode step
+    does). Also each quantized cache's top-1 agreement with the model-dtype cache at every position."""
+    from .. import hf_attention as hf
+    from ..attention.kv_quant import storage_dtype
+
+    state = hf.install(model, hf.NAME)
+    names = [None, *kv_cache_dtypes]
+    nll, agree, total = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0), 0
+    try:
+        with torch.no_grad():
+            for chunk in _windows(ids, window, bos):
+                base_top1 = None
+                for name in names:
+                    logits = _cached_logits(model, chunk, storage_dtype(name))[0, :-1].float()
+                    nll[name] += torch.nn.functional.cross_entropy(logits, chunk[0, 1:], reduction="sum").item()
+                    top1 = logits.argmax(-1)
+                    base_top1 = top1 if base_top1 is None else base_top1
+                    agree[name] += int((top1 == base_top1).sum())
+                total += chunk.shape[1] - 1
+    finally:
+        hf.uninstall(model, state)
+    return [{"model": f"kv cache {name or str(model.dtype).replace('torch.', '')}", "ppl": math.exp(nll[name] / total),
+             **({"top1_agreement_pct": round(100.0 * agree[name] / total, 2)} if name else {})} for name in names]
+
+
+def _cached_logits(model, chunk: torch.Tensor, kv_dtype):
+    from transformers import StaticCache
+
+    from ..hf_attention import unroll_sliding_layers
+    from ..kv_cache import quantize_layers
+
+    cache = StaticCache(config=model.config, max_cache_len=chunk.shape[1])
+    cache = quantize_layers(unroll_sliding_layers(cache, chunk.shape[1]), kv_dtype)
+    return model(input_ids=chunk, past_key_values=cache, use_cache=True).logits
+
+
+def _windows(ids: torch.Tensor, window: int, bos: int | None):
+    """The (1, n) token windows perplexity() evaluates."""
+    step = window - (bos is not None)
+    for start in range(0, ids.numel() - 1, step):
+        chunk = _with_bos(ids[start:start + step], bos)[None]
+        if chunk.shape[1] < 2:
+            return
+        yield chunk
 
 
 def _with_bos(tokens: torch.Tensor, bos: int | None) -> torch.Tensor:
@@ -168,11 +213,14 @@ def _linear_counts(model) -> dict:
 def eval_ppl_main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Perplexity of a causal LM, high precision vs quantized")
     _common(parser)
-    parser.add_argument("--schemes", nargs="+", default=["int8"],
+    parser.add_argument("--schemes", nargs="*", default=["int8"],
                         help="int8, int4 (or int4-g32/-g64/-g128), w8a8, fp8, or a preset: int8-all, int4-all, "
                              "int4-mixed (a format per layer by measured error, <= 5.0 bits per weight)")
     parser.add_argument("--max-tokens", type=int, default=16384)
     parser.add_argument("--window", type=int, default=WINDOW)
+    parser.add_argument("--kv-cache-dtypes", nargs="+", default=[], choices=["int8", "fp8"],
+                        help="also the unquantized model with its KV cache stored in these formats (and, for "
+                             "comparison, in the model's dtype), through fastflow attention over a static cache")
     parser.add_argument("--gptq", action="store_true",
                         help="int4/int8: GPTQ rounding calibrated on the --calib-tokens tokens after the evaluated "
                              f"ones (default {GPTQ_CALIB_TOKENS} with --gptq)")
@@ -186,6 +234,8 @@ def eval_ppl_main(argv=None) -> int:
     eval_ids = ids[:args.max_tokens]
     calib = _calibration(ids, eval_ids.numel(), calib_tokens, args.window, bos) if calib_tokens else None
     results = [{"model": f"high precision ({args.dtype})", "ppl": perplexity(base, eval_ids, args.window, bos)}]
+    if args.kv_cache_dtypes:
+        results += kv_cache_rows(base, eval_ids, args.window, bos, args.kv_cache_dtypes)
     for scheme in args.schemes:
         start = time.perf_counter()
         model = quantize(copy.deepcopy(base), _config(args, scheme), calibration_data=calib)
@@ -200,6 +250,7 @@ def eval_ppl_main(argv=None) -> int:
         r["delta_pct"] = round(100.0 * (r["ppl"] / ref - 1.0), 3)
         counts = ", ".join(f"{n} {k}" for k, n in r.get("linears", {}).items())
         print(f"{r['model']:<28} ppl {r['ppl']:8.3f}  ({r['delta_pct']:+.2f}%)"
+              + (f"  top-1 = model-dtype cache: {r['top1_agreement_pct']}%" if "top1_agreement_pct" in r else "")
               + (f"  linears: {counts}" if counts else "") + (f"  {r['bpw']} bits/weight" if "bpw" in r else ""))
     if args.json:
         with open(args.json, "w") as fh:
