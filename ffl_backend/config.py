@@ -4,8 +4,13 @@ Pass them as `torch.compile(model, backend="fastflow", options={...})` or throug
 `CompileConfig(backend="fastflow", options={...})`. Unknown keys are an error, so a typo never
 silently disables a feature.
 
-patterns      families to run, in order (default: all of PATTERN_FAMILIES). Unlisted families are
-              skipped; their subgraphs stay as the model wrote them.
+patterns      families to run (default: every family known when the graph is compiled: the built-in
+              PATTERN_FAMILIES and those added with ffl_backend.register_pattern, docs/extending.md).
+              They run in the registry's order (pattern_families()), not in the order listed.
+              Unlisted families are skipped; their subgraphs stay as the model wrote them.
+disable_patterns  families not to run, built-in or registered alike, e.g. ("rotary", "my_act"):
+              taken out of `patterns` (which then lists what runs). Unknown names in either option
+              are an error.
 on_error      "fallback" (default): a family whose pass raises is skipped for that graph, with a
               warning and an entry in the report; the graph keeps its pre-pass form.
               "raise": re-raise (for development).
@@ -39,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .patterns.registry import PATTERN_FAMILIES
+from .patterns.registry import pattern_families, unknown_families
 
 CPU_GEMV_CHOICES = ("auto", "kernel", "loops")
 INT8_ACTIVATION_CHOICES = ("auto", "float", "int16")
@@ -81,13 +86,19 @@ def mode_config(mode: str | None, device: str) -> dict:
 @dataclasses.dataclass(frozen=True)
 class BackendOptions:
     mode: str | None = None
-    patterns: tuple = PATTERN_FAMILIES
+    patterns: tuple = dataclasses.field(default_factory=pattern_families)
+    disable_patterns: tuple = ()
     on_error: str = "fallback"
     inductor: bool = True
     bf16_exact_weights: bool = True
     cpu_gemv: str = "auto"
     int8_activations: str = "auto"
     inductor_config: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        # `patterns` is what runs: every reader of it (the pass manager, decode_gemv's look at its
+        # siblings) then sees the same set
+        object.__setattr__(self, "patterns", tuple(f for f in self.patterns if f not in self.disable_patterns))
 
     @classmethod
     def parse(cls, mode=None, options=None) -> "BackendOptions":
@@ -103,12 +114,9 @@ class BackendOptions:
         unknown = set(options) - known
         if unknown:
             raise ValueError(f"fastflow: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
-        if "patterns" in options:
-            patterns = tuple(options["patterns"])
-            bad = set(patterns) - set(PATTERN_FAMILIES)
-            if bad:
-                raise ValueError(f"fastflow: unknown pattern families {sorted(bad)}; known: {PATTERN_FAMILIES}")
-            options["patterns"] = patterns
+        for key in ("patterns", "disable_patterns"):
+            if key in options:
+                options[key] = _families(key, options[key])
         if options.get("on_error", "fallback") not in ("fallback", "raise"):
             raise ValueError("fastflow: on_error must be 'fallback' or 'raise'")
         if options.get("cpu_gemv", "auto") not in CPU_GEMV_CHOICES:
@@ -120,3 +128,12 @@ class BackendOptions:
     def inductor_patches(self, device: str) -> dict:
         """fastflow's Inductor defaults, then what the mode stands for, then the user's own patches."""
         return {**DEFAULT_INDUCTOR_CONFIG, **mode_config(self.mode, device), **self.inductor_config}
+
+
+def _families(key: str, names) -> tuple:
+    """A `patterns`/`disable_patterns` value as a tuple of known families (a lone string is one name)."""
+    names = (names,) if isinstance(names, str) else tuple(names)
+    bad = unknown_families(names)
+    if bad:
+        raise ValueError(f"fastflow: {key}: unknown pattern families {bad}; known: {pattern_families()}")
+    return names

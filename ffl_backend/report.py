@@ -20,10 +20,10 @@ _reports: list["GraphReport"] = []
 class GraphReport:
     """One compiled graph.
 
-    matches:    pattern family -> number of subgraphs rewritten to fastflow ops
+    matches:    pattern family (built-in or registered) -> number of subgraphs rewritten to fastflow ops
     declined:   pattern family -> number of candidate sites left as they were (see `reasons`)
     fallbacks:  families whose pass raised; the graph kept its pre-pass form (never a wrong result)
-    ops:        fastflow op name -> count in the final graph
+    ops:        fastflow op name -> count in the final graph ("fastflow_user::<name>" for register_op's)
     unfused:    anchor op (rsqrt, silu, gelu, layer_norm, tanh) -> count left in the final graph
     compile_id: Dynamo's "frame/compile-of-that-frame" id
     recompile:  True when Dynamo compiled this graph again for a code object it had already seen
@@ -62,10 +62,9 @@ class GraphReport:
         return text
 
     def as_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        for key in ("matches", "declined", "ops", "unfused"):
-            d[key] = dict(d[key])
-        return d
+        # asdict rebuilds a Counter from its (key, count) pairs, which counts the pairs: plain dicts first
+        counters = {key: dict(getattr(self, key)) for key in ("matches", "declined", "ops", "unfused")}
+        return dataclasses.asdict(dataclasses.replace(self, **counters))
 
 
 def record(report: GraphReport) -> None:

@@ -12,6 +12,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from ..kernels.user_ops import USER_NAMESPACE
+
 # Each logical op: the call_function targets and call_method names Dynamo may emit for it.
 _OPS: dict[str, tuple[set, set]] = {
     "add": ({operator.add, operator.iadd, torch.add}, {"add"}),
@@ -173,11 +175,15 @@ def attach_constant(gm: fx.GraphModule, tensor, prefix: str) -> str:
 
 
 def fastflow_op_name(node: fx.Node) -> str | None:
-    """"rms_norm" for a call to `torch.ops.fastflow.rms_norm` (overload or packet), else None.
-    By name: some ops (the quantized linears) register only once their module is imported."""
+    """"rms_norm" for a call to `torch.ops.fastflow.rms_norm` (overload or packet), the qualified
+    "fastflow_user::<name>" for an op made with register_op, else None. By name: some ops (the
+    quantized linears) register only once their module is imported."""
     target = node.target if node.op == "call_function" else None
     if isinstance(target, torch._ops.OpOverload):
         target = target.overloadpacket
-    if isinstance(target, torch._ops.OpOverloadPacket) and target._qualified_op_name.startswith("fastflow::"):
-        return target._qualified_op_name.split("::", 1)[1]
-    return None
+    if not isinstance(target, torch._ops.OpOverloadPacket):
+        return None
+    namespace, _, name = target._qualified_op_name.partition("::")
+    if namespace == "fastflow":
+        return name
+    return target._qualified_op_name if namespace == USER_NAMESPACE else None

@@ -1,6 +1,6 @@
 """The pass manager: runs the enabled pattern families over a Dynamo graph, in the registry's
-order (registry.py). Each family runs on a copy-on-failure basis: if a pass raises, the graph is
-restored to its state before that pass.
+order (registry.py), built-in and registered (extension.py) alike. Each family runs on a
+copy-on-failure basis: if a pass raises, the graph is restored to its state before that pass.
 """
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 import torch.fx as fx
 
 from .fx_utils import fastflow_op_name, is_op
-from .registry import PATTERN_FAMILIES, pass_function
+from .registry import pass_function, pattern_families
 
 logger = logging.getLogger("ffl_backend")
 
@@ -50,7 +50,7 @@ def run_passes(gm: fx.GraphModule, example_inputs, report, options) -> fx.GraphM
         report.reasons.append(("all", "graph", "needs gradients (fastflow's ops have no backward)"))
         return gm
     ctx = PassContext(gm, example_inputs, report, options)
-    for family in (f for f in PATTERN_FAMILIES if f in options.patterns):
+    for family in (f for f in pattern_families() if f in options.patterns):
         saved = _snapshot(gm.graph)
         try:
             report.matches[family] += pass_function(family)(gm, ctx)
