@@ -72,12 +72,13 @@ def kv_cache_rows(model, ids: torch.Tensor, window: int, bos: int | None, kv_cac
 def _cached_logits(model, chunk: torch.Tensor, kv_dtype):
     from transformers import StaticCache
 
+    from ..generation import cache_kwarg
     from ..hf_attention import unroll_sliding_layers
     from ..kv_cache import quantize_layers
 
     cache = StaticCache(config=model.config, max_cache_len=chunk.shape[1])
     cache = quantize_layers(unroll_sliding_layers(cache, chunk.shape[1]), kv_dtype)
-    return model(input_ids=chunk, past_key_values=cache, use_cache=True).logits
+    return model(input_ids=chunk, use_cache=True, **{cache_kwarg(model): cache}).logits
 
 
 def _windows(ids: torch.Tensor, window: int, bos: int | None):
