@@ -92,10 +92,11 @@ if HAS_TRITON:
         exact in bf16 (int8, and e4m3's 3 mantissa bits), so the tensor-core dots stay exact; the scales
         multiply the scores (K) or the probabilities (V) in fp32."""
         x = tl.load(ptr + offs, mask=ok, other=0)
-        if KV_QUANT > 0:
+        rs = 1.0
+        if KV_QUANT > 0:  # one return: Triton may type-check both branches' returns against each other
             rs = tl.load(scale_ptr + (row_offs + SCALE_OFF) // 4, mask=row_ok, other=0.0)
-            return stored_values(x, KV_QUANT).to(dtype), rs
-        return x, 1.0
+            x = stored_values(x, KV_QUANT).to(dtype)
+        return x, rs
 
     @triton.jit
     def scores(q, k, scale, softcap, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
