@@ -4,6 +4,7 @@ shapes, strided views of the cache, masks, windows, and opcheck."""
 import pytest
 import torch
 
+from ffl_backend.attention.kv_quant import dequantize_kv, quantize_kv
 from ffl_backend.attention.reference import attention_ref
 from ffl_backend.kernels import cpu_lib
 from tests.helpers import assert_matches_reference
@@ -34,6 +35,22 @@ def test_decode_attention_matches_reference(dtype, b, hq, hkv, lq, s, filled, d,
     out = _attend(q, k, v, filled, d ** -0.5, window, mask)
     assert out.shape == q.shape and out.transpose(1, 2).is_contiguous()  # (B, Lq, Hq, D) memory
     assert_matches_reference(out, attention_ref, (q, k, v, d ** -0.5, window, filled, mask), interpreted=False)
+
+
+@pytest.mark.parametrize("kv", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,hq,hkv,lq,s,filled,d,window", CASES)
+def test_decode_attention_quantized_cache_matches_reference(kv, dtype, b, hq, hkv, lq, s, filled, d, window):
+    """Packed int8 / fp8 rows (attention/kv_quant.py): odd head dims exercise the 8-wide fp8 loop's tail,
+    and each instruction-set build runs this (test_cpu_isa_paths.py)."""
+    q = torch.randn(b, hq, lq, d, dtype=dtype)
+    k, v = (quantize_kv(torch.randn(b, hkv, s, d) * 4, kv) for _ in range(2))
+    out = _attend(q, k, v, filled, d ** -0.5, window, None)
+
+    def ref(q, *args):
+        return attention_ref(q, dequantize_kv(k, d, q.dtype), dequantize_kv(v, d, q.dtype), *args)
+
+    assert_matches_reference(out, ref, (q, d ** -0.5, window, filled), interpreted=False)
 
 
 def test_decode_attention_reads_views_and_only_filled_slots():
