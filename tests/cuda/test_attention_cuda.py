@@ -1,13 +1,14 @@
 """The attention Triton kernels compiled for the GPU and run natively: causal prefill (FlashAttention
 style), split-K decode over a static cache at several filled lengths, and decode over a paged cache,
 in MHA, GQA and MQA, against the references and bounds of their CPU tests (tests/attention); and the
-three ops through `opcheck` on CUDA."""
+three ops through `opcheck` on CUDA; and the same kernels over int8 / fp8 KV caches."""
 import pytest
 import torch
 
 from ffl_backend.attention import decode as D
 from ffl_backend.attention import paged as PG
 from ffl_backend.attention import prefill as P
+from ffl_backend.attention.kv_quant import dequantize_kv, quantize_kv
 from ffl_backend.attention.reference import attention_ref
 from tests.cuda.support import CUDA_TESTS, DEVICE, DTYPES, INTERPRETED, check, randn
 
@@ -155,3 +156,48 @@ def test_opcheck_attention_ops():
     torch.library.opcheck(torch.ops.fastflow.attention_decode.default, (q, k, v, filled, 0.125, 5, None))
     case = _paged_case(torch.bfloat16, 9, 3, 64, 16, [5, 40, 17])
     torch.library.opcheck(torch.ops.fastflow.paged_decode.default, (*case, 0.125))
+
+
+KV_FORMATS = (torch.int8, torch.float8_e4m3fn)
+
+
+def _quantized_ref(kq, vq, d):
+    """attention_ref over the packed K/V dequantized in the query's precision (float64 for the exact run)."""
+    def ref(q, *args, **kwargs):
+        return attention_ref(q, dequantize_kv(kq, d, q.dtype), dequantize_kv(vq, d, q.dtype), *args, **kwargs)
+    return ref
+
+
+@pytest.mark.parametrize("kv", KV_FORMATS)
+@pytest.mark.parametrize("dtype", (torch.float16, torch.bfloat16))
+def test_kernels_read_quantized_caches(kv, dtype):
+    """int8 / fp8 rows (attention/kv_quant.py) through the prefill, split-K decode and tiled decode
+    kernels at Llama-3-8B's GQA (SmolLM2's head dim in the interpreter)."""
+    d, length, filled = (64, 150, 141) if INTERPRETED else (128, 4096, 3001)
+    kq, vq = quantize_kv(randn(2, 8, length, d, scale=3.0), kv), quantize_kv(randn(2, 8, length, d, scale=3.0), kv)
+    mask = _left_pad_mask(2, 1, length, (0, 5))
+    q = randn(2, 32, 1, d, dtype=dtype)
+    out = D.attention_decode_triton(q, kq, vq, torch.tensor(filled, device=DEVICE), d ** -0.5, 0, mask)
+    check(out, _quantized_ref(kq, vq, d), (q, d ** -0.5, 0, filled, mask))
+    q = randn(2, 32, 4, d, dtype=dtype)  # 16 query heads x 4 rows per kv head: the tiled kernel
+    mask = _left_pad_mask(2, 4, length, (0, 5))
+    out = D.attention_decode_triton(q, kq, vq, torch.tensor(filled, device=DEVICE), d ** -0.5, 0, mask)
+    check(out, _quantized_ref(kq, vq, d), (q, d ** -0.5, 0, filled, mask))
+    n = 40 if INTERPRETED else 300
+    q = randn(2, 32, n, d, dtype=dtype)
+    k, v = kq[:, :, :n], vq[:, :, :n]
+    check(P.attention_prefill_triton(q, k, v, d ** -0.5, 0), _quantized_ref(k, v, d), (q, d ** -0.5, 0))
+
+
+@pytest.mark.parametrize("kv", KV_FORMATS)
+def test_paged_decode_reads_quantized_pools(kv):
+    lens = [5, 123, 33] if INTERPRETED else [1, 17, 500, 2048, 33, 999, 1024, 7]
+    q, k, v, table, seq_lens = _paged_case(torch.bfloat16, 32, 8, 128, 16, lens)
+    kq, vq = quantize_kv(k.float() * 3, kv), quantize_kv(v.float() * 3, kv)
+    out = PG.paged_decode_triton(q, kq, vq, table, seq_lens, 128 ** -0.5)
+    cpu = [t.cpu() for t in (q, kq, vq, table, seq_lens)]
+    kd, vd = (dequantize_kv(t, 128, torch.float64) for t in cpu[1:3])
+    exact = PG.paged_decode_ref(cpu[0].double(), kd, vd, cpu[3], cpu[4], 128 ** -0.5)
+    plain = PG.paged_decode_ref(cpu[0], kd.to(torch.bfloat16), vd.to(torch.bfloat16), cpu[3], cpu[4], 128 ** -0.5)
+    err, plain_err = (out.cpu().double() - exact).abs().max(), (plain.double() - exact).abs().max()
+    assert err <= 2 * plain_err + 2e-2, (err, plain_err)
