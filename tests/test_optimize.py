@@ -77,7 +77,8 @@ def test_pipeline_runs_compiled_after_optimize(smollm2):
 # Xeon (AVX-512/AMX), torch 2.13.0+cpu, `pytest -q -s tests/test_optimize.py -k agreement`:
 #   bf16 1.00 (72/72; first divergence at [24, 24, 24] = none), int8 0.67 (48/72; [19, 24, 5]),
 #   int4-all 0.43 (31/72; [5, 13, 5]); bf16 weights with an int8 KV cache ("kv-int8") 0.89 (64/72;
-#   [17, 24, 23]), with an fp8 e4m3 one 0.92 (66/72; [12, 24, 24]) (2026-12-05).
+#   [17, 24, 23]), with an fp8 e4m3 one 0.92 (66/72; [12, 24, 24]) (2026-12-05; "kv-fp8" is measured
+#   by adding it to AGREE_BARS, left out of the suite for its ~100 s).
 # The bars sit just below. A quantized model leaves eager's path where bf16 eager's own top-2 logits
 # are close and then continues on a plausible path of its own, so the figures are per prompt and a
 # change of prompts needs a new measurement. Compiled in mode "default": the kernels and numerics of
@@ -85,7 +86,7 @@ def test_pipeline_runs_compiled_after_optimize(smollm2):
 # Time on that machine: ~95 s with Inductor's on-disk caches cold, ~40 s warm (a rerun).
 AGREE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
 AGREE_NEW = 24
-AGREE_BARS = {"bf16": 0.95, "int8": 0.6, "int4-all": 0.4, "kv-int8": 0.85, "kv-fp8": 0.85}
+AGREE_BARS = {"bf16": 0.95, "int8": 0.6, "int4-all": 0.4, "kv-int8": 0.85}
 
 
 def _greedy_rows(model, rows):

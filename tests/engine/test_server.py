@@ -177,8 +177,8 @@ def test_main_serves_a_model_folder_on_a_real_port(tmp_path, references):
         proc.send_signal(signal.SIGINT)
         try:
             log = proc.communicate(timeout=60)[0]
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired:  # show what the server was doing, not only the timeout
             proc.kill()
-            raise
+            raise AssertionError("ffl-serve did not exit within 60 s of SIGINT:\n" + proc.communicate()[0][-3000:])
     assert proc.returncode == 0, log[-3000:]
     assert f"listening on http://127.0.0.1:{port}/v1/completions" in log

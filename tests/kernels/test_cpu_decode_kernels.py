@@ -76,7 +76,7 @@ def test_decode_attention_rejects_bad_operands():
     q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 30, 8)
     with pytest.raises(RuntimeError, match="filled"):
         _attend(q, k, k, 31, 0.3, 0, None)
-    with pytest.raises(RuntimeError, match="share a dtype"):
+    with pytest.raises(RuntimeError, match="must share q's dtype"):
         _attend(q, k.bfloat16(), k.bfloat16(), 10, 0.3, 0, None)
     with pytest.raises(RuntimeError, match="mask"):
         _attend(q, k, k, 10, 0.3, 0, torch.ones(1, 1, 1, 5, dtype=torch.bool))
