@@ -150,9 +150,12 @@ def test_main_serves_a_model_folder_on_a_real_port(tmp_path, references):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # SIGINT back to its default in the child: a suite started in the background (`cmd &`) runs with
+    # SIGINT ignored, the server would inherit that, and the Ctrl-C this test sends would do nothing
     proc = subprocess.Popen([sys.executable, "-m", "ffl_backend.engine.server", "--model", str(folder), "--port",
                              str(port), "--max-batch-size", "2", "--max-seq-len", "64", "--compile", "none"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while True:
