@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..kernels import cpu_lib
+
 # Names users pass as kv_cache_dtype -> storage dtype.
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn,
                    "float8_e4m3fn": torch.float8_e4m3fn}
@@ -66,7 +68,16 @@ def row_bytes(head_dim: int, dtype) -> int:
 
 def quantize_kv_bytes(x: Tensor, dtype: torch.dtype) -> Tensor:
     """(..., D) float -> (..., packed_width(D)) int8 bytes of the packed rows (module docstring).
-    Byte rows let callers write into a cache through an int8 view: CPU torch has no index_copy_ for fp8."""
+    Byte rows let callers write into a cache through an int8 view: CPU torch has no index_copy_ for fp8.
+    Eager CPU calls (a prompt's writes) take the one-pass C++ op `fastflow_cpu::quantize_kv`, bitwise
+    equal to `quantize_kv_ref`; traced calls (compiled decode steps) the torch code, which Inductor fuses."""
+    if x.device.type == "cpu" and not torch.compiler.is_compiling() and cpu_lib.load():
+        return torch.ops.fastflow_cpu.quantize_kv(x, dtype == torch.float8_e4m3fn)
+    return quantize_kv_ref(x, dtype)
+
+
+def quantize_kv_ref(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """The pure-torch definition of quantize_kv_bytes."""
     largest = _LARGEST[dtype]
     xf = x.to(torch.float32)
     amax = xf.abs().amax(-1, keepdim=True)

@@ -5,6 +5,7 @@
     gemv_q16            the int8 decode GEMV over int16-quantized activations (cpu_gemv_q16.cpp; cpu_gemv.py)
     int4_widen          an int4_gemv weight widened to bf16, for prompt GEMMs (cpu_widen.cpp; int4_layout.py)
     decode_attention    a few query rows over a static cache (cpu_attention.cpp; attention/reference.py)
+    quantize_kv         K/V rows to the packed int8 / fp8 cache format (cpu_kv_quant.cpp; attention/kv_quant.py)
     argmax              the greedy token (cpu_argmax.cpp)
 
 The C++ sources ship with the package and are compiled here, once per machine and source version,
@@ -39,7 +40,8 @@ logger = logging.getLogger(__name__)
 
 # cpu_kernels.h is what the sources share.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_gemv_bf16.cpp", "cpu_gemv_q16.cpp",
-                                                          "cpu_attention.cpp", "cpu_argmax.cpp", "cpu_widen.cpp"))
+                                                          "cpu_attention.cpp", "cpu_argmax.cpp", "cpu_widen.cpp",
+                                                          "cpu_kv_quant.cpp"))
 HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
 OP_NAMESPACE = "fastflow_cpu"
 
@@ -131,6 +133,7 @@ def _try_load() -> bool:
         torch.library.register_fake(f"{OP_NAMESPACE}::decode_attention")(_fake_decode_attention)
         torch.library.register_fake(f"{OP_NAMESPACE}::argmax")(_fake_argmax)
         torch.library.register_fake(f"{OP_NAMESPACE}::int4_widen")(_fake_int4_widen)
+        torch.library.register_fake(f"{OP_NAMESPACE}::quantize_kv")(_fake_quantize_kv)
         tune_prefetch()
         return True
     except Exception as exc:  # no compiler, no headers, a link error: keep the pure-torch paths
@@ -194,6 +197,10 @@ def _fake_decode_attention(q: Tensor, k_cache, v_cache, filled, scale, window, m
     # (B, Lq, Hq, D) memory seen as (B, Hq, Lq, D), as the kernel returns it
     b, hq, lq, d = q.shape
     return q.new_empty((b, lq, hq, d)).transpose(1, 2)
+
+
+def _fake_quantize_kv(x: Tensor, fp8: bool) -> Tensor:
+    return x.new_empty((*x.shape[:-1], -(-x.shape[-1] // 4) * 4 + 4), dtype=torch.int8)
 
 
 def _fake_int4_widen(packed: Tensor, scale_zeros, group_size: int) -> Tensor:

@@ -4,7 +4,7 @@ shapes, strided views of the cache, masks, windows, and opcheck."""
 import pytest
 import torch
 
-from ffl_backend.attention.kv_quant import dequantize_kv, quantize_kv
+from ffl_backend.attention.kv_quant import dequantize_kv, quantize_kv, quantize_kv_ref
 from ffl_backend.attention.reference import attention_ref
 from ffl_backend.kernels import cpu_lib
 from tests.helpers import assert_matches_reference
@@ -51,6 +51,23 @@ def test_decode_attention_quantized_cache_matches_reference(kv, dtype, b, hq, hk
         return attention_ref(q, dequantize_kv(k, d, q.dtype), dequantize_kv(v, d, q.dtype), *args)
 
     assert_matches_reference(out, ref, (q, d ** -0.5, window, filled), interpreted=False)
+
+
+@pytest.mark.parametrize("kv", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 30, 7])
+def test_quantize_kv_matches_reference(kv, dtype, d):
+    """fastflow_cpu::quantize_kv is bitwise the pure-torch definition: rows of very different ranges,
+    a zero row, rounding ties, a transposed (non-contiguous) input as attention hands it over."""
+    x = (torch.randn(2, 37, 3, d) * torch.logspace(-4, 3, 37)[:, None, None]).to(dtype).transpose(1, 2)
+    x[0, 0, 0] = 0
+    x[0, 0, 1, :3] = torch.tensor([1.5, 2.5, -0.5])
+    out = torch.ops.fastflow_cpu.quantize_kv(x, kv == torch.float8_e4m3fn)
+    assert torch.equal(out, quantize_kv_ref(x, kv))
+
+
+def test_quantize_kv_opcheck():
+    torch.library.opcheck(torch.ops.fastflow_cpu.quantize_kv, (torch.randn(2, 3, 5, 30), True))
 
 
 def test_decode_attention_reads_views_and_only_filled_slots():
