@@ -159,11 +159,9 @@ def _fastflow_static_cache(model, kv_dtype):
 
 def install(model, attention: str | None = NAME, kv_dtype: torch.dtype | None = None) -> dict:
     """Select `attention` for this model (unroll sliding caches, quantize the cache when `kv_dtype`
-    is a quantized format); returns what `uninstall` needs."""
+    is a quantized format: only "fastflow" attention reads it, which optimize() checks up front);
+    returns what `uninstall` needs."""
     state = {"attn": model.config._attn_implementation, "cache_patch": False}
-    if kv_dtype is not None and attention != NAME:
-        raise ValueError(f"a quantized KV cache (kv_cache_dtype) needs attention={NAME!r}: other attention "
-                         f"implementations cannot read its packed rows; got attention={attention!r}")
     if attention is None:
         return state
     if attention == NAME:

@@ -32,7 +32,7 @@ from torch import Tensor
 
 from ..kernels import cpu_lib
 from ..kernels._triton import HAS_TRITON, AotSpec, on_triton_device, ptr, tl, triton
-from .kv_quant import check_packed, dequantized, is_quantized, triton_kv_args
+from .kv_quant import dequantized, triton_kv_args
 from .prefill import (
     AOT_BLOCK_DS,
     AOT_DTYPES,
@@ -171,9 +171,7 @@ def attention_decode_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled:
     if group * q_len > max_rows:
         return flash_launch(q, k_cache, v_cache, scale, window, softcap, filled=filled, mask=mask, run=_direct)
     q, k_cache, v_cache = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_cache, v_cache))
-    if is_quantized(k_cache):
-        check_packed(q, k_cache, v_cache)
-    k_cache, v_cache, k_scales, v_scales, kv_quant, scale_off = triton_kv_args(k_cache, v_cache)
+    k_cache, v_cache, k_scales, v_scales, kv_quant, scale_off = triton_kv_args(q, k_cache, v_cache)
     if mask is not None:
         mask = mask.to(torch.bool).expand(bsz, 1, q_len, mask.shape[-1])
         mask = mask if mask.stride(-1) == 1 else mask.contiguous()

@@ -123,7 +123,7 @@ def dequantized(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
     return dequantize_kv(k, q.shape[-1], q.dtype), dequantize_kv(v, q.shape[-1], q.dtype)
 
 
-def triton_kv_args(k: Tensor, v: Tensor) -> tuple:
+def triton_kv_args(q: Tensor, k: Tensor, v: Tensor) -> tuple:
     """What the Triton kernels take for K and V: (k data, v data, k scales, v scales, KV_QUANT,
     SCALE_OFF). Float caches: themselves (the scale pointers unused), KV_QUANT 0. Quantized: the
     bytes (fp8 as uint8: the kernels decode e4m3 bit by bit, which every GPU and the interpreter
@@ -131,6 +131,7 @@ def triton_kv_args(k: Tensor, v: Tensor) -> tuple:
     (byte offset of r + SCALE_OFF) / 4), KV_QUANT 1 (int8) or 2 (fp8)."""
     if not is_quantized(k):
         return k, v, k, v, 0, 0
+    check_packed(q, k, v)
     code = 1 if k.dtype == torch.int8 else 2
     data = (k, v) if code == 1 else (k.view(torch.uint8), v.view(torch.uint8))
     return (*data, k.view(torch.float32), v.view(torch.float32), code, k.shape[-1] - SCALE_BYTES)

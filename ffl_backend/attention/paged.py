@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels._triton import HAS_TRITON, AotSpec, on_triton_device, ptr, tl, triton
-from .kv_quant import check_packed, dequantized, is_quantized, triton_kv_args
+from .kv_quant import dequantized, triton_kv_args
 from .prefill import KV_QUANT_PTRS, capped_attention, dot_precision, head_block, upcast_dot
 from .reference import attention_ref
 
@@ -170,9 +170,7 @@ def paged_decode_triton(q: Tensor, k_pool: Tensor, v_pool: Tensor, block_tables:
     if block < 16 or block & (block - 1):
         raise ValueError(f"the Triton paged decode needs a power-of-two block_size >= 16, got {block}")
     q, k_pool, v_pool = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k_pool, v_pool))
-    if is_quantized(k_pool):
-        check_packed(q, k_pool, v_pool)
-    k_pool, v_pool, k_scales, v_scales, kv_quant, scale_off = triton_kv_args(k_pool, v_pool)
+    k_pool, v_pool, k_scales, v_scales, kv_quant, scale_off = triton_kv_args(q, k_pool, v_pool)
     block_tables = block_tables.contiguous()
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _paged_decode_kernel[(bsz, n_kv)](

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels._triton import HAS_TRITON, AotSpec, interpreting, launch, on_triton_device, ptr, tl, triton
-from .kv_quant import check_packed, dequantized, is_quantized, triton_kv_args
+from .kv_quant import dequantized, triton_kv_args
 from .reference import visible
 
 # Head dims of the supported families (64 SmolLM2, 80 Phi-2, 96 Phi-3, 128 Llama/Mistral, 256 Gemma)
@@ -174,9 +174,7 @@ def flash_launch(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int, sof
     """Launch `_flash_kernel`; `run` is `launch` (wrap_triton, traceable) or a direct call."""
     bsz, n_heads, q_len, head_dim = q.shape
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    if is_quantized(k):
-        check_packed(q, k, v)
-    k, v, k_scales, v_scales, kv_quant, scale_off = triton_kv_args(k, v)
+    k, v, k_scales, v_scales, kv_quant, scale_off = triton_kv_args(q, k, v)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     block_m, block_n, warps = tile(head_dim, q.element_size())
     if mask is not None:
