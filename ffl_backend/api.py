@@ -11,7 +11,9 @@ What it sets on *this* model (nothing global, nothing in transformers.models.* r
 4. a per-instance `generate` that rejects prompt + max_new_tokens > max_seq_len (or a batch above
    max_batch_size) with a clear error before any work, and runs greedy and sampling requests through
    fastflow's decode loop (decode_loop.py: no per-token host work beyond the compiled step).
-`restore(model)` undoes 2-4.
+5. on CPUs without bf16 matrix instructions, the bf16 / fp16 linears' prompts through fastflow's GEMM
+   (prompt_linears.py).
+`restore(model)` undoes 2-5.
 
 Compile paths: after `optimize`, `model.generate` compiles decode steps itself. `model.compile(
 backend="fastflow")` compiles the model in place (prefill included) and composes with `optimize`.
@@ -116,6 +118,7 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     backend_options: options of the fastflow backend (ffl_backend.config.BackendOptions).
     """
     from . import hf_attention as hf
+    from . import prompt_linears
     from .attention.kv_quant import storage_dtype
     from .config import BackendOptions
     from .decode_loop import DecodeLoop
@@ -143,6 +146,7 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     state = {"generation": {k: getattr(gc, k, None) for k in
                             ("cache_implementation", "max_cache_len", "compile_config", "disable_compile")}}
     state["attention"] = hf.install(model, attention, kv_dtype)
+    state["prompt_linears"] = prompt_linears.install(model)  # CPUs without bf16 matmul: fastflow's GEMM
     # q/k/v and gate/up as slices of one tensor: horizontal fusion then reuses it instead of copying
     share_fused_storage(model)
     configure_generate(model, backend="fastflow", options=backend_options, max_cache_len=max_seq_len, mode=mode)
@@ -174,10 +178,12 @@ def restore(model):
     if state is None:
         return model
     from . import hf_attention as hf
+    from . import prompt_linears
     from .generation import release_fast_guards
 
     model.__dict__.pop("generate", None)
     hf.uninstall(model, state["attention"])
+    prompt_linears.uninstall(model, state.get("prompt_linears", []))
     for key, value in state["generation"].items():
         setattr(model.generation_config, key, value)
     for attr in ("_compiled_call", "_last_compile_config"):

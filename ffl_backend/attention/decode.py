@@ -38,6 +38,7 @@ from .prefill import (
     AOT_DTYPES,
     KV_QUANT_PTRS,
     capped_attention,
+    causal_cpu,
     dot_precision,
     flash_launch,
     head_block,
@@ -222,10 +223,10 @@ def attention_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Te
     ok = mask[..., :n].to(torch.bool) if mask is not None else None
     if q_len > 1 or window > 0:  # one query at the newest position sees every key: no causal mask
         causal = visible(q_len, n, window, q.device)
-        if q_len == n and window <= 0 and (ok is None or bool((ok | ~causal).all())):
-            # A prompt from slot 0 without padding: the mask adds nothing to causality, and SDPA's
-            # is_causal path is faster than a boolean mask (benchmarks/attention_cpu_paths.py).
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True).contiguous()
+        if ok is None or bool((ok | ~causal).all()):
+            # No padding: the mask adds nothing to causality, and the causal paths (SDPA's is_causal,
+            # fastflow's tiles) are faster than a boolean mask (benchmarks/attention_cpu_paths.py).
+            return causal_cpu(q, k, v, scale, window).contiguous()
         ok = causal if ok is None else ok & causal
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=ok, scale=scale, enable_gqa=True)
     return out.contiguous()

@@ -37,7 +37,10 @@ def cache_file():
 @functools.cache
 def machine_key() -> str:
     """What a choice depends on besides the shape: the CPU model, its matrix and vector instruction
-    sets, and torch (whose kernels are among the candidates)."""
+    sets, the instruction sets this process uses (fastflow's build target FFL_CPU_MARCH, ATen's
+    ATEN_CPU_CAPABILITY), and torch (whose kernels are among the candidates)."""
+    from .cpu_isa import target_arch
+
     model = "?"
     try:
         with open("/proc/cpuinfo") as fh:
@@ -48,7 +51,8 @@ def machine_key() -> str:
     isa = [name for name, has in (("avx2", cpu._is_avx2_supported()), ("avx512", cpu._is_avx512_supported()),
                                   ("avx512_bf16", cpu._is_avx512_bf16_supported()),
                                   ("amx", cpu._is_amx_tile_supported())) if has]
-    return f"{model} | {'+'.join(isa) or 'baseline'} | torch {torch.__version__}"
+    used = f"march {target_arch()}, aten {torch.backends.cpu.get_cpu_capability()}"
+    return f"{model} | {'+'.join(isa) or 'baseline'} | {used} | torch {torch.__version__}"
 
 
 def _load() -> dict:

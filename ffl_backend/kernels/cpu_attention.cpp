@@ -38,8 +38,11 @@
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_tile.h"
 
 namespace {
+
+using fastflow_cpu::exp_nonpositive;
 
 // Keys per task at least: below this a thread's share costs less than waking it.
 constexpr int64_t kMinKeysPerTask = 64;
@@ -175,28 +178,6 @@ inline float largest(const float* v, int64_t n) {
 inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) y[d] += alpha * x[d];
-}
-
-// e^x for x <= 0 (and -inf), written so that the compiler vectorizes it (std::exp is a scalar call):
-// e^x = 2^n e^f with n = round(x log2 e), |f| <= ln2 / 2, e^f by its degree-6 Taylor polynomial
-// (relative error about 2^-22, at fp32's own rounding of the softmax's sums). Below -87.33 the
-// result underflows fp32's normal range and is 0, as for -inf.
-inline float exp_nonpositive(float x) {
-  if (!(x > -87.33f)) return 0.f;
-  // f = x - n ln2 in two steps (ln2's leading bits times n are exact): f keeps x's precision
-  const float n = std::nearbyint(x * 1.44269504088896341f);
-  const float f = (x - n * 0.693145751953125f) - n * 1.428606765330187e-06f;
-  float p = 1.f / 720.f;
-  p = p * f + 1.f / 120.f;
-  p = p * f + 1.f / 24.f;
-  p = p * f + 1.f / 6.f;
-  p = p * f + 0.5f;
-  p = p * f + 1.f;
-  p = p * f + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
 }
 
 struct Shape {

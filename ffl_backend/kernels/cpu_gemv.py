@@ -83,8 +83,7 @@ def int8_activations(choice: str) -> str:
     not yet measured)."""
     if choice != "auto":
         return choice
-    vnni = "avx512_vnni" in cpu_lib.cpu_flags().split() and cpu_lib.target_arch() == "native"
-    return "int16" if vnni else "float"
+    return "int16" if cpu_lib.target_has("avx512_vnni") else "float"
 
 
 def takes(x, weight, *vectors) -> bool:

@@ -4,7 +4,11 @@
                         AVX512-BF16; the ops' references: cpu_gemv.py, int4_layout.py)
     gemv_q16            the int8 decode GEMV over int16-quantized activations (cpu_gemv_q16.cpp; cpu_gemv.py)
     int4_widen          an int4_gemv weight widened to bf16, for prompt GEMMs (cpu_widen.cpp; int4_layout.py)
+    gemm, int4_gemm     prompt GEMMs in fp32 over bf16 / fp16 / int8 / int4 weights widened block by block, for
+                        CPUs without bf16 matrix instructions (cpu_gemm.cpp; cpu_gemm.py)
     decode_attention    a few query rows over a static cache (cpu_attention.cpp; attention/reference.py)
+    prefill_attention   a prompt's causal attention in fp32 register tiles (cpu_prefill_attention.cpp;
+                        attention/prefill.py)
     quantize_kv         K/V rows to the packed int8 / fp8 cache format (cpu_kv_quant.cpp; attention/kv_quant.py)
     argmax              the greedy token (cpu_argmax.cpp)
 
@@ -34,6 +38,7 @@ from torch import Tensor
 
 from .. import paths
 from . import autotune
+from .cpu_isa import cpu_flags, target_arch, target_has  # noqa: F401  (the library's build target)
 from .int4_layout import INT4_ROWS
 
 logger = logging.getLogger(__name__)
@@ -41,8 +46,9 @@ logger = logging.getLogger(__name__)
 # cpu_kernels.h is what the sources share.
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_gemv_bf16.cpp", "cpu_gemv_q16.cpp",
                                                           "cpu_attention.cpp", "cpu_argmax.cpp", "cpu_widen.cpp",
-                                                          "cpu_kv_quant.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_kernels.h"),)
+                                                          "cpu_kv_quant.cpp", "cpu_gemm.cpp",
+                                                          "cpu_prefill_attention.cpp"))
+HEADERS = (Path(__file__).with_name("cpu_kernels.h"), Path(__file__).with_name("cpu_tile.h"))
 OP_NAMESPACE = "fastflow_cpu"
 
 _lock = threading.Lock()
@@ -57,12 +63,6 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
-def target_arch() -> str:
-    """The -march the library is built for: this CPU unless FFL_CPU_MARCH names another (e.g.
-    x86-64-v3 for the AVX2 path on an AVX-512 machine, x86-64 for the portable one; tests use it)."""
-    return os.environ.get("FFL_CPU_MARCH", "native")
-
-
 def _compile_command(out: Path) -> list:
     # torch's own headers and libraries (what torch.utils.cpp_extension would find, without importing it)
     root = Path(torch.__file__).parent
@@ -71,16 +71,6 @@ def _compile_command(out: Path) -> list:
     return [_compiler(), "-O3", f"-march={target_arch()}", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in includes], *map(str, SOURCES), "-o", str(out),
             f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
-
-
-def cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
 
 
 def library_path() -> Path:
@@ -134,6 +124,9 @@ def _try_load() -> bool:
         torch.library.register_fake(f"{OP_NAMESPACE}::argmax")(_fake_argmax)
         torch.library.register_fake(f"{OP_NAMESPACE}::int4_widen")(_fake_int4_widen)
         torch.library.register_fake(f"{OP_NAMESPACE}::quantize_kv")(_fake_quantize_kv)
+        torch.library.register_fake(f"{OP_NAMESPACE}::gemm")(_fake_gemm)
+        torch.library.register_fake(f"{OP_NAMESPACE}::int4_gemm")(_fake_int4_gemm)
+        torch.library.register_fake(f"{OP_NAMESPACE}::prefill_attention")(_fake_prefill_attention)
         tune_prefetch()
         return True
     except Exception as exc:  # no compiler, no headers, a link error: keep the pure-torch paths
@@ -205,6 +198,18 @@ def _fake_quantize_kv(x: Tensor, fp8: bool) -> Tensor:
 
 def _fake_int4_widen(packed: Tensor, scale_zeros, group_size: int) -> Tensor:
     return packed.new_empty((packed.shape[0] * INT4_ROWS, packed.shape[1] * 8), dtype=torch.bfloat16)
+
+
+def _fake_gemm(x: Tensor, weight: Tensor, scale, bias) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _fake_int4_gemm(x: Tensor, packed: Tensor, scale_zeros, bias, group_size: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * INT4_ROWS))
+
+
+def _fake_prefill_attention(q: Tensor, k, v, scale: float, window: int) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def _fake_argmax(x: Tensor) -> Tensor:

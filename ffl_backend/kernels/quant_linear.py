@@ -22,15 +22,15 @@ CPU paths (the choices' measurements: docs/quantization.md and benchmarks/result
 from __future__ import annotations
 
 import functools
-import time
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import numerics as P
-from . import autotune, cpu_gemv, cpu_lib, int4_layout, triton_quant
+from . import autotune, cpu_gemm, cpu_gemv, cpu_lib, int4_layout, triton_quant
 from ._triton import on_triton_device, rows_2d
+from .cpu_gemm import _seconds
 from .triton_quant import aot_specs  # noqa: F401  (the ops' Triton launch configs, read by kernels.aot)
 
 # torch's CPU int4 kernel accepts only these group sizes, and N in multiples of 16.
@@ -98,21 +98,17 @@ def fp8_linear_ref(x: Tensor, qweight: Tensor, w_scale: Tensor, bias: Optional[T
 # Widening costs one pass over the weight, which enough rows repay; how many is searched per machine
 # and weight shape (autotune.py), WIDEN_MIN_ROWS where the search is off. Numerics: the weight
 # rounded once to bf16 (q * s for int8, (q - 8) * s + z' for int4), products in fp32.
+# CPUs without those instructions take fastflow's fp32 GEMM instead (cpu_gemm.py), from a row count
+# searched the same way.
 WIDEN_MIN_ROWS = 32
 WIDEN_ROW_CHOICES = (WIDEN_MIN_ROWS, 8, 16, 64, 128, 1 << 30)  # the last: never widen
 _TUNING_ROWS = (8, 16, 32, 64, 128)  # the prompt sizes a threshold is judged on
 
 
-@functools.cache
-def native_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (AMX tiles or AVX-512-BF16)."""
-    return torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
-
-
 def _widens(x: Tensor, kind: str, n: int, k: int) -> bool:
-    """Whether a quantized linear of `x` takes the widen-then-GEMM path (see WIDEN_MIN_ROWS)."""
+    """Whether a quantized linear of `x` takes the widen-then-oneDNN path (see WIDEN_MIN_ROWS)."""
     rows = x.numel() // x.shape[-1]
-    return (x.dtype == torch.bfloat16 and rows >= min(WIDEN_ROW_CHOICES) and native_bf16_matmul()
+    return (x.dtype == torch.bfloat16 and rows >= min(WIDEN_ROW_CHOICES) and cpu_gemm.native_bf16_matmul()
             and rows >= widen_min_rows(kind, n, k))
 
 
@@ -122,7 +118,8 @@ def widen_min_rows(kind: str, n: int, k: int) -> int:
 
     def cost(threshold: int) -> float:  # a prompt of each tuning size, each on the path this threshold picks
         if not paths:
-            paths.update(_tuning_paths(kind, n, k))
+            row_kernel, widen, _ = _paths(kind, torch.randn(n, k) / k**0.5)
+            paths.update({False: row_kernel, True: widen})
         for rows in _TUNING_ROWS:
             for widen in (False, True):
                 if (rows, widen) not in times:
@@ -132,28 +129,29 @@ def widen_min_rows(kind: str, n: int, k: int) -> int:
     return autotune.choose(f"widen_min_rows:{kind}", (n, k), WIDEN_ROW_CHOICES, cost)
 
 
-def _tuning_paths(kind: str, n: int, k: int) -> dict:
-    """{False: the row kernel, True: widen then GEMM} on a random weight of this shape."""
-    w = torch.randn(n, k) / k**0.5
+def _gemm_paths(kind: str, n: int, k: int):
+    """For cpu_gemm's threshold search: a maker of {False: the row kernel, True: fastflow's GEMM} of an
+    int8 / int4 linear with a random (n, k) weight."""
+    def make() -> dict:
+        row_kernel, _, gemm = _paths(kind, torch.randn(n, k) / k**0.5)
+        return {False: row_kernel, True: gemm}
+
+    return make
+
+
+def _paths(kind: str, w: Tensor) -> tuple:
+    """(row kernel, widen then oneDNN GEMM, fastflow GEMM) for a `kind` quantization of the fp32 weight `w`."""
     if kind == "int8":
         q, s = P.quantize_int8(w, torch.bfloat16)
-        return {False: lambda x: torch._weight_int8pack_mm(x, q, s),
-                True: lambda x: torch.nn.functional.linear(x, q.to(torch.bfloat16) * s[:, None])}
-    q, s, z = P.quantize_int4(w, INT4_CPU_GROUPS[0], scale_dtype=torch.bfloat16)
-    packed, sz = int4_cpu_form(P.pack_int4(q), s, z, INT4_CPU_GROUPS[0])
-    return {False: lambda x: int4_cpu_linear(x, packed, sz, INT4_CPU_GROUPS[0], None, widen=False),
-            True: lambda x: int4_cpu_linear(x, packed, sz, INT4_CPU_GROUPS[0], None, widen=True)}
-
-
-def _seconds(fn, x: Tensor, repeats: int = 3) -> float:
-    """The fastest of a few calls (after one warm-up): the search wants the kernels' cost, not noise."""
-    fn(x)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(x)
-        best = min(best, time.perf_counter() - start)
-    return best
+        return (lambda x: torch._weight_int8pack_mm(x, q, s),
+                lambda x: torch.nn.functional.linear(x, q.to(torch.bfloat16) * s[:, None]),
+                lambda x: torch.ops.fastflow_cpu.gemm(x, q, s, None))
+    group = INT4_CPU_GROUPS[0]
+    q, s, z = P.quantize_int4(w, group, scale_dtype=torch.bfloat16)
+    packed, sz = int4_cpu_form(P.pack_int4(q), s, z, group)
+    return (lambda x: int4_cpu_linear(x, packed, sz, group, None, path="rows"),
+            lambda x: int4_cpu_linear(x, packed, sz, group, None, path="widen"),
+            lambda x: int4_cpu_linear(x, packed, sz, group, None, path="gemm"))
 
 
 def int4_cpu_form(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int):
@@ -243,6 +241,8 @@ def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],
         cpu_scale = scale.to(torch.bfloat16)
     if _widens(x, "int8", *qweight.shape):
         return torch.nn.functional.linear(x, qweight.to(torch.bfloat16) * cpu_scale[:, None], bias)
+    if cpu_gemm.use_gemm(x, "int8", *qweight.shape, _gemm_paths("int8", *qweight.shape)):  # a prompt, no native bf16
+        return torch.ops.fastflow_cpu.gemm(x, qweight, scale, bias)
     if qweight.shape[1] % INT8_CPU_K_MULTIPLE:
         return int8_linear_ref(x, qweight, scale, bias)
     x2d = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
@@ -250,15 +250,20 @@ def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],
 
 
 def int4_cpu_linear(x: Tensor, packed: Tensor, scale_zeros: Tensor, group_size: int,
-                    bias: Optional[Tensor], widen: Optional[bool] = None) -> Tensor:
-    """An int4 linear on either CPU form (`int4_cpu_form`); `widen` forces the path (None: decided by
-    the rows, see WIDEN_MIN_ROWS)."""
+                    bias: Optional[Tensor], path: Optional[str] = None) -> Tensor:
+    """An int4 linear on either CPU form (`int4_cpu_form`). `path` forces one ("rows": the row kernel,
+    "widen": widen to bf16 then oneDNN, "gemm": fastflow's fp32 GEMM; needs fastflow's layout);
+    None: decided by the rows and the machine (WIDEN_MIN_ROWS, cpu_gemm.py)."""
     fastflow_layout = packed.dim() == 3
-    if widen is None:
-        widen = fastflow_layout and _widens(x, "int4", packed.shape[0] * 16, packed.shape[1] * 8)
-    if widen:
+    if path is None and fastflow_layout:
+        n, k = packed.shape[0] * 16, packed.shape[1] * 8
+        gemm = cpu_gemm.use_gemm(x, "int4", n, k, _gemm_paths("int4", n, k))
+        path = "widen" if _widens(x, "int4", n, k) else "gemm" if gemm else "rows"
+    if path == "widen":
         weight = torch.ops.fastflow_cpu.int4_widen(packed, scale_zeros, group_size)
         return torch.nn.functional.linear(x, weight, bias)
+    if path == "gemm":
+        return torch.ops.fastflow_cpu.int4_gemm(x, packed, scale_zeros, bias, group_size)
     if fastflow_layout:  # the kernel takes fp32/bf16/fp16 rows and returns x's dtype
         if x.dtype in cpu_gemv.ACTIVATION_DTYPES:
             return torch.ops.fastflow_cpu.int4_gemv(x, packed, scale_zeros, bias, group_size)

@@ -160,10 +160,13 @@ class QuantConfig:
 
 def select_linears(model, config: QuantConfig) -> dict:
     """{name: module} of the plain nn.Linear modules `config` selects (already-quantized modules are
-    not nn.Linear)."""
+    not nn.Linear; optimize()'s PromptLinear, prompt_linears.py, says it is one)."""
     from torch import nn
 
-    return {name: m for name, m in model.named_modules() if type(m) is nn.Linear and config.selects(name)}
+    def plain(m) -> bool:
+        return type(m) is nn.Linear or getattr(type(m), "is_plain_linear", False)
+
+    return {name: m for name, m in model.named_modules() if plain(m) and config.selects(name)}
 
 
 def resolve_steps(config) -> list[QuantConfig]:

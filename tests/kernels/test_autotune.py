@@ -63,7 +63,7 @@ def test_widen_threshold_is_searched_once_per_shape(tuning, kind):
     assert saved[f"widen_min_rows:{kind}[64, 128]"] == rows             # the library loaded in this test)
     assert not [key for key in saved if key.startswith("widen") and key != f"widen_min_rows:{kind}[64, 128]"]
     x = torch.randn(max(8, min(rows, 256)), 128, dtype=torch.bfloat16)
-    assert K._widens(x, kind, 64, 128) == (rows <= x.shape[0] and K.native_bf16_matmul())
+    assert K._widens(x, kind, 64, 128) == (rows <= x.shape[0] and K.cpu_gemm.native_bf16_matmul())
 
 
 def test_prefetch_distances_are_searched_once_set_and_then_read(tuning):

@@ -175,10 +175,16 @@ def test_configure_generate_enables_fast_guards_and_they_still_catch_changes():
 
 def test_a_graph_that_needs_gradients_compiles_without_fused_ops():
     """fastflow's ops have no backward: with grad enabled and trainable weights the families stand
-    aside, and the compiled model trains like the eager one."""
+    aside, and the compiled model trains like the eager one. Inductor's backward sums in its own
+    order, so gradients are held to the op tests' bound: error vs a float64 run of the same model
+    <= 2x eager fp32's own error + fp32's atol (a fixed default tolerance failed on an AVX2 CPU)."""
+    import copy
+
+    from tests.helpers import ATOL
     from tests.tiny_models import tiny_model
 
     model = tiny_model("llama")
+    exact_model = copy.deepcopy(model).double()
     ids = torch.randint(3, 128, (1, 6))
     torch._dynamo.reset()
     compiled = torch.compile(model, backend="fastflow")
@@ -188,8 +194,14 @@ def test_a_graph_that_needs_gradients_compiles_without_fused_ops():
     out.sum().backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
-    model(ids).logits.sum().backward()
-    torch.testing.assert_close(out, model(ids).logits)
-    for got, expected in zip(grads, (p.grad for p in model.parameters())):
-        torch.testing.assert_close(got, expected)
+    eager_out = model(ids).logits
+    eager_out.sum().backward()
+    exact_out = exact_model(ids).logits
+    exact_out.sum().backward()
+    pairs = [(out, eager_out, exact_out)] + list(zip(grads, (p.grad for p in model.parameters()),
+                                                     (p.grad for p in exact_model.parameters())))
+    for got, eager, exact in pairs:
+        eager_err = (eager.double() - exact).abs().max().item()
+        err = (got.double() - exact).abs().max().item()
+        assert err <= 2 * eager_err + ATOL[torch.float32], (err, eager_err)
 

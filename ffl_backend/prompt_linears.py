@@ -1,0 +1,59 @@
+"""A prompt's bf16 / fp16 linears on CPUs without bf16 matrix instructions: fastflow's GEMM.
+
+A model's nn.Linear layers call F.linear, and on such CPUs (AVX2 machines: AMD Zen 2/3, Intel before
+Ice Lake) torch's bf16 GEMM is emulated, ~10x slower than `fastflow_cpu::gemm` (kernels/cpu_gemm.py),
+which made a bf16 prompt the slowest part of generating there. `install(model)` gives each plain bf16 /
+fp16 CPU `nn.Linear` of the model the class `PromptLinear`, whose forward takes the GEMM for eager
+calls with enough rows (a prompt; the threshold is searched per machine and shape) and F.linear
+otherwise. Traced calls (compiled decode steps, `model.compile`) see plain F.linear, so graphs and the
+pattern families that match them are unchanged. Per instance and reversible (`uninstall`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .kernels import cpu_gemm
+
+_KINDS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+class PromptLinear(nn.Linear):
+    """nn.Linear whose eager prompts on CPUs without native bf16 matmul run fastflow's GEMM."""
+
+    # quantize() selects plain linears by exact type; this one is still one (quant/schemes.py)
+    is_plain_linear = True
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = self.weight
+        if (not torch.compiler.is_compiling() and w.dtype in _KINDS and cpu_gemm.takes(x, w)
+                and cpu_gemm.use_gemm(x, _KINDS[w.dtype], *w.shape)):
+            return torch.ops.fastflow_cpu.gemm(x, w, None, self.bias)
+        return F.linear(x, w, self.bias)
+
+
+def applies(model) -> bool:
+    """Whether `install` would change anything: a CPU model, a CPU without native bf16 matmul, and
+    the C++ library built (cpu_gemm.available)."""
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "cpu" and cpu_gemm.available()
+
+
+def install(model) -> list:
+    """Give the model's plain bf16 / fp16 linears `PromptLinear`; returns their names (for `uninstall`)."""
+    if not applies(model):
+        return []
+    names = []
+    for name, module in model.named_modules():
+        if type(module) is nn.Linear and module.weight.dtype in _KINDS:
+            module.__class__ = PromptLinear
+            names.append(name)
+    return names
+
+
+def uninstall(model, names: list) -> None:
+    modules = dict(model.named_modules())
+    for name in names:
+        if type(modules.get(name)) is PromptLinear:
+            modules[name].__class__ = nn.Linear
