@@ -18,6 +18,7 @@ Who calls it, and from how many rows (`prompt_gemm_min_rows`, searched per machi
 from __future__ import annotations
 
 import functools
+import os
 import time
 from typing import Optional
 
@@ -92,7 +93,7 @@ def prompt_gemm_min_rows(kind: str, n: int, k: int, make_paths=None) -> int:
                     times[rows, gemm] = _seconds(paths[gemm], torch.randn(rows, k, dtype=torch.bfloat16))
         return sum(times[rows, rows >= threshold] for rows in _TUNING_ROWS)
 
-    key = (kind, n, k, str(autotune.cache_file()))
+    key = (kind, n, k, os.environ.get("FFL_CACHE_DIR"))  # (the autotune file's folder)
     if key in _chosen:  # a prompt asks once per linear: autotune's file lookup is too slow for that
         return _chosen[key]
     rows = autotune.choose(f"prompt_gemm_min_rows:{kind}", (n, k), MIN_ROWS_CHOICES, cost)
@@ -101,7 +102,7 @@ def prompt_gemm_min_rows(kind: str, n: int, k: int, make_paths=None) -> int:
     return rows
 
 
-_chosen: dict = {}  # (kind, n, k, autotune file) -> rows: this process's choices
+_chosen: dict = {}  # (kind, n, k, cache folder) -> rows: this process's choices
 
 
 def _float_paths(kind: str, n: int, k: int) -> dict:
