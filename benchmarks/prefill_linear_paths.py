@@ -5,8 +5,13 @@ Candidates per weight format: the row kernels (torch's int8, fastflow's int4_gem
 quant_linear runs it (it widens from WIDEN_MIN_ROWS rows where the CPU has native bf16 matrices);
 "widen then GEMM": the weight widened to bf16 right before a oneDNN bf16 GEMM, whose AMX /
 AVX-512-BF16 paths serve the multiply; for int8 also an integer GEMM (`torch._int_mm`) on
-activations quantized per token. Median and min of 5 passes over 30 layers' worth of calls (each
-layer its own weights, as in a real prompt).
+activations quantized per token; fastflow's fp32 GEMM over weights widened block by block
+(`fastflow_cpu::gemm` / `int4_gemm`, kernels/cpu_gemm.py: the path of CPUs without bf16 matrix
+instructions). Median and min of 5 passes over 30 layers' worth of calls (each layer its own weights,
+as in a real prompt: 212 MB of bf16 weights, streamed from DRAM where the L3 is smaller).
+FFL_CPU_MARCH / ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA select the instruction sets (the record says
+which), e.g. the AVX2 proxy on an AVX-512 machine: FFL_CPU_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2
+ONEDNN_MAX_CPU_ISA=AVX2.
 
     python benchmarks/prefill_linear_paths.py [--rows 512] [--out benchmarks/results/prefill_linear_paths_cpu.json]
 """
@@ -14,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 
 import torch
@@ -66,6 +72,10 @@ def candidates() -> dict:
         "int4 op (quant_linear's CPU path)": lambda c: int4_cpu_linear(c["x"], c["packed4"], c["sz4"], GROUP, None),
         "int8 op (quant_linear's CPU path)": lambda c: torch.ops.fastflow.int8_linear(c["x"], c["q8"], c["s8"], None,
                                                                                         c["s8"]),
+        "bf16 fastflow gemm": lambda c: torch.ops.fastflow_cpu.gemm(c["x"], c["w"], None, None),
+        "int8 fastflow gemm": lambda c: torch.ops.fastflow_cpu.gemm(c["x"], c["q8"], c["s8"], None),
+        "int4 fastflow int4_gemm": lambda c: torch.ops.fastflow_cpu.int4_gemm(c["x"], c["packed4"], c["sz4"], None,
+                                                                               GROUP),
     }
 
 
@@ -96,7 +106,9 @@ def main() -> None:
         print(f"{name:<28} {timing['median_ms']:8.1f} ms  (min {timing['min_ms']:.1f})  "
               f"{timing['gflops']:7.1f} GFLOP/s", flush=True)
     record = {"rows": args.rows, "layers": LAYERS, "group_size": GROUP, "threads": torch.get_num_threads(),
-              "cpu": cpu_model(), "torch": torch.__version__, "results": results}
+              "cpu": cpu_model(), "march": cpu_lib.target_arch(), "aten": torch.backends.cpu.get_cpu_capability(),
+              "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "default"), "torch": torch.__version__,
+              "results": results}
     if args.out:
         with open(args.out, "w") as fh:
             json.dump(record, fh, indent=1)

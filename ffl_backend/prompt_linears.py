@@ -35,9 +35,9 @@ class PromptLinear(nn.Linear):
 
 def applies(model) -> bool:
     """Whether `install` would change anything: a CPU model, a CPU without native bf16 matmul, and
-    the C++ library built (cpu_gemm.available)."""
+    the C++ library built (cpu_gemm.replaces_bf16_matmul)."""
     param = next(model.parameters(), None)
-    return param is not None and param.device.type == "cpu" and cpu_gemm.available()
+    return param is not None and param.device.type == "cpu" and cpu_gemm.replaces_bf16_matmul()
 
 
 def install(model) -> list:

@@ -221,7 +221,8 @@ def tiles_on_cpu(q: Tensor, k: Tensor) -> bool:
     float q/k/v with a head dim the tiles take, on a CPU without bf16 matrix instructions (elsewhere
     SDPA's own kernel uses them; the same split as the prompt GEMMs, kernels/cpu_gemm.py)."""
     return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and k.dtype == q.dtype and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256 and cpu_gemm.available())
+            and k.dtype == q.dtype and q.shape[-1] % 16 == 0 and q.shape[-1] <= 256
+            and cpu_gemm.replaces_bf16_matmul())
 
 
 def causal_cpu(q: Tensor, k: Tensor, v: Tensor, scale: float, window: int) -> Tensor:

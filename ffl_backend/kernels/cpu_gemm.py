@@ -10,10 +10,11 @@ GEMVs run row after row, so a prompt's linears were the slowest part of a prompt
 
 Who calls it, and from how many rows (`prompt_gemm_min_rows`, searched per machine and weight shape):
 - bf16 / fp16 `nn.Linear`s of a model `optimize()` patched (ffl_backend/prompt_linears.py), on CPUs
-  without native bf16 matrix instructions (`native_bf16_matmul`: AMX or AVX512-BF16 make oneDNN's
-  bf16 GEMM the faster one);
-- int8 / int4 weight-only linears (quant_linear.py) on the same CPUs, where the row kernels would
-  otherwise take a prompt row by row.
+  without native bf16 matrix instructions (`replaces_bf16_matmul`; with AMX or AVX512-BF16 oneDNN's
+  bf16 GEMM is the faster one);
+- int8 / int4 weight-only linears (quant_linear.py), where the row kernels would otherwise take a
+  prompt row by row; on CPUs with native bf16 matmul, only below the rows from which widening the
+  weight to bf16 for oneDNN is faster (quant_linear.WIDEN_MIN_ROWS).
 """
 from __future__ import annotations
 
@@ -65,8 +66,14 @@ def native_bf16_matmul() -> bool:
 
 
 def available() -> bool:
-    """Whether prompts take `gemm` here: a CPU without native bf16 matmul, and the library built."""
-    return not native_bf16_matmul() and cpu_lib.load()
+    """Whether the ops are built here (the fastflow_cpu library)."""
+    return cpu_lib.load()
+
+
+def replaces_bf16_matmul() -> bool:
+    """Whether bf16 / fp16 prompts take fastflow's fp32 tiles (`gemm`, `prefill_attention`) instead of
+    torch's kernels: on CPUs without native bf16 matmul, where torch's are emulated."""
+    return not native_bf16_matmul() and available()
 
 
 def takes(x: Tensor, weight: Tensor) -> bool:

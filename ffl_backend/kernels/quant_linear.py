@@ -282,6 +282,20 @@ def _w8a8_cpu(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Optional[Ten
 
 # --- ops ------------------------------------------------------------------------------------------
 
+def calls_cpu_body(x: Tensor) -> bool:
+    """Whether a quantized module may call its op's CPU body directly (`int8_linear_cpu`,
+    `int4_linear_cpu`): eager CPU inference. The dispatcher's trip into a triton_op's Python body costs
+    ~45 us a call, a fifth of a 16-token prompt's linears on SmolLM2; traced calls keep the op (the
+    pattern families match it), and so do calls that need gradients (the op refuses them)."""
+    return x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def int8_linear_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor] = None,
+                    cpu_scale: Optional[Tensor] = None) -> Tensor:
+    """`int8_linear`'s CPU body (see `calls_cpu_body`)."""
+    return _int8_cpu(x, qweight, scale, bias, cpu_scale)
+
+
 def w8a8_triton(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Optional[Tensor] = None,
                 bias: Optional[Tensor] = None, smooth: Optional[Tensor] = None) -> Tensor:
     """The CUDA path of `w8a8_linear` (also runs on CPU tensors under TRITON_INTERPRET, for tests).
@@ -310,6 +324,13 @@ def int4_linear(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, group_s
     if on_triton_device(x):
         y = triton_quant.int4_linear_triton(rows_2d(x), qweight, scale, zero, group_size, bias)
         return y.reshape(*x.shape[:-1], qweight.shape[0])
+    return int4_linear_cpu(x, qweight, scale, zero, group_size, bias, cpu_packed, cpu_scale_zeros)
+
+
+def int4_linear_cpu(x: Tensor, qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int,
+                    bias: Optional[Tensor] = None, cpu_packed: Optional[Tensor] = None,
+                    cpu_scale_zeros: Optional[Tensor] = None) -> Tensor:
+    """`int4_linear`'s CPU body (see `calls_cpu_body`)."""
     if cpu_packed is not None and cpu_scale_zeros is not None:
         return int4_cpu_linear(x, cpu_packed, cpu_scale_zeros, group_size, bias)
     return int4_linear_ref(x, qweight, scale, zero, group_size, bias)

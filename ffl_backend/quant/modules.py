@@ -94,6 +94,8 @@ class Int8Linear(QuantizedLinear):
         return P.dequantize_int8(self.qweight, self.scale)
 
     def forward(self, x: Tensor) -> Tensor:
+        if K.calls_cpu_body(x):
+            return K.int8_linear_cpu(x, self.qweight, self.scale, self.bias, self.cpu_scale)
         return torch.ops.fastflow.int8_linear(x, self.qweight, self.scale, self.bias, self.cpu_scale)
 
 
@@ -181,8 +183,11 @@ class Int4Linear(QuantizedLinear):
         return P.dequantize_int4(self.portable_qweight(), self.scale, self.zero, self.group_size)
 
     def forward(self, x: Tensor) -> Tensor:
-        return torch.ops.fastflow.int4_linear(x, self.qweight, self.scale, self.zero, self.group_size,
-                                              self.bias, self.cpu_packed, self.cpu_scale_zeros)
+        args = (x, self.qweight, self.scale, self.zero, self.group_size, self.bias, self.cpu_packed,
+                self.cpu_scale_zeros)
+        if K.calls_cpu_body(x):
+            return K.int4_linear_cpu(*args)
+        return torch.ops.fastflow.int4_linear(*args)
 
 
 def is_stand_in(t) -> bool:
