@@ -1,5 +1,6 @@
-"""ffl-bench's llamacpp rows: the GGUF writer (names, types, shapes, the Q/K row order), llama.cpp's greedy
-tokens against HF eager, the one-line skip without llama-cpp-python, and the rows end to end."""
+"""ffl-bench's llamacpp rows: the GGUF writer (names, types, shapes, the Q/K row order; LLaMA, Qwen2, Gemma-3),
+llama.cpp's greedy tokens against HF eager, the one-line skip without llama-cpp-python, and the rows end to end."""
+import copy
 import json
 import math
 import os
@@ -14,6 +15,7 @@ from ffl_backend.bench import gguf_export, llamacpp
 from tests.tiny_models import perturb_vectors
 
 SEED, INIT = 22, 0.3  # a tiny model whose greedy logits keep their top two apart (checked where it matters)
+QWEN2_SEED = 29  # the same for the tiny Qwen2
 PROMPT = list(range(3, 19))
 NEW = 16
 HAVE_LLAMA_CPP = llamacpp.import_error() is None
@@ -64,6 +66,28 @@ def untied(tmp_path_factory):
     return folder, _tiny_llama(folder, tied=False)
 
 
+def _tiny_qwen2(folder):
+    """A tiny random Qwen2 with tied embeddings (as Qwen2-1.5B); its q/k/v biases, zero at init, perturbed
+    with the norms so a dropped or misplaced bias shows."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(QWEN2_SEED)
+    config = Qwen2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, intermediate_size=96, max_position_embeddings=256,
+                         initializer_range=INIT, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
+                         pad_token_id=0)
+    model = perturb_vectors(AutoModelForCausalLM.from_config(config).eval(), 0.1)
+    model.save_pretrained(folder)
+    _bpe_tokenizer(folder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen2(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("qwen2")
+    return folder, _tiny_qwen2(folder)
+
+
 def _reader(path):
     import gguf
 
@@ -74,6 +98,14 @@ def _reader(path):
 def _field(reader, key):
     field = reader.fields[key]
     return field.contents()
+
+
+def _weight(tensors, name):
+    """A tensor of the file as float numbers, in HF's (out_features, in_features) order."""
+    import gguf
+
+    t = tensors[name]
+    return gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
 
 
 def test_rotary_row_order_turns_rotate_half_into_adjacent_pairs():
@@ -140,15 +172,12 @@ def test_tensor_types_follow_llama_quantize():
 
 
 def test_f16_weights_are_the_hf_weights_with_q_and_k_rows_reordered(untied, tmp_path):
-    import gguf
-
     folder, model = untied
     _, tensors = _reader(gguf_export.export(folder, "F16", tmp_path))
     sd = {k: v.numpy() for k, v in model.state_dict().items()}
 
     def weight(name):
-        t = tensors[name]
-        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
+        return _weight(tensors, name)
 
     q_order, k_order = gguf_export.rotary_row_order(4, 16), gguf_export.rotary_row_order(2, 16)
     close = dict(rtol=1e-3, atol=1e-3)  # f16 rounding
@@ -161,6 +190,51 @@ def test_f16_weights_are_the_hf_weights_with_q_and_k_rows_reordered(untied, tmp_
                          ("output.weight", "lm_head.weight"), ("blk.0.ffn_norm.weight",
                                                                "model.layers.0.post_attention_layernorm.weight")):
         np.testing.assert_allclose(weight(ours), sd[theirs], **close)
+
+
+@pytest.mark.parametrize("kind", gguf_export.GGUF_TYPES)
+def test_qwen2_writer_names_biases_and_metadata(qwen2, tmp_path, kind):
+    """Qwen2: LLaMA's names plus the q/k/v biases (F32, exact), no output head (tied), qwen2 metadata;
+    Q/K rows keep HF's order (llama.cpp's qwen2 rotates halves, as HF does)."""
+    import gguf
+
+    folder, model = qwen2
+    reader, tensors = _reader(gguf_export.export(folder, kind, tmp_path))
+    layer = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+    biases = {f"blk.{i}.{n}.bias" for i in range(2) for n in ("attn_q", "attn_k", "attn_v")}
+    assert set(tensors) == ({"token_embd.weight", "output_norm.weight"} | biases
+                            | {f"blk.{i}.{n}.weight" for i in range(2) for n in layer})
+    hf = {gguf_export.gguf_name(n, "qwen2"): p.numpy() for n, p in model.state_dict().items()}
+    for name, t in tensors.items():
+        assert tuple(t.shape) == tuple(reversed(hf[name].shape)), name
+        assert t.tensor_type.name == gguf_export.tensor_type(name, hf[name].shape, kind), name
+    for name in biases:
+        assert tensors[name].tensor_type.name == "F32"
+        np.testing.assert_array_equal(np.asarray(tensors[name].data), hf[name])
+    assert tensors["blk.0.attn_q.weight"].tensor_type.name == kind
+    if kind == "F16":
+        for name in ("blk.1.attn_q.weight", "blk.1.attn_k.weight"):
+            np.testing.assert_allclose(_weight(tensors, name), hf[name], rtol=1e-3, atol=1e-3)
+
+    assert _field(reader, "general.architecture") == "qwen2"
+    assert _field(reader, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{kind}"]
+    expected = {"qwen2.embedding_length": 64, "qwen2.block_count": 2, "qwen2.attention.head_count": 4,
+                "qwen2.attention.head_count_kv": 2, "qwen2.feed_forward_length": 96, "qwen2.context_length": 256,
+                "qwen2.rope.dimension_count": 16, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    assert {k: _field(reader, k) for k in expected} == expected
+    assert _field(reader, "qwen2.rope.freq_base") == pytest.approx(10000.0)
+    assert _field(reader, "qwen2.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
+
+
+def test_qwen2_biases_change_the_greedy_tokens(qwen2):
+    """So the greedy comparison below would catch a dropped bias."""
+    _, model = qwen2
+    unbiased = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in unbiased.named_parameters():
+            if name.endswith(".bias"):
+                p.zero_()
+    assert _hf_greedy(unbiased)[0] != _hf_greedy(model)[0]
 
 
 def test_cache_is_keyed_by_weights_and_type_and_never_half_written(tied, tmp_path, monkeypatch):
@@ -186,9 +260,24 @@ def test_cache_is_keyed_by_weights_and_type_and_never_half_written(tied, tmp_pat
 
 def test_other_architectures_are_refused_by_name(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
-    with pytest.raises(ValueError, match="model_type 'llama' and 'gemma3_text' only, not 'gpt2'"):
+    with pytest.raises(ValueError, match="model_type 'llama', 'qwen2' and 'gemma3_text' only, not 'gpt2'"):
         gguf_export.write_gguf(tmp_path, "F16", tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_qwen2_layouts_llama_cpp_lacks_are_refused(qwen2, tmp_path):
+    """Qwen2's q/k/v biases pass; a sliding window, another head_dim (llama.cpp's qwen2 shapes Q as
+    hidden x hidden) and LLaMA biases do not."""
+    folder, _ = qwen2
+    assert gguf_export.unsupported(folder) is None
+    (tmp_path / "tokenizer.json").write_text((folder / "tokenizer.json").read_text())
+    config = json.loads((folder / "config.json").read_text())
+    for change, reason in (({"use_sliding_window": True}, "no sliding-window"),
+                           ({"layer_types": ["full_attention", "sliding_attention"]}, "no sliding-window"),
+                           ({"head_dim": 32}, "head_dim * num_attention_heads"),
+                           ({"model_type": "llama", "attention_bias": True}, "no bias tensors")):
+        (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+        assert reason in gguf_export.unsupported(tmp_path), change
 
 
 def _tiny_gemma3(folder):
@@ -250,10 +339,11 @@ def _hf_greedy(model):
 
 
 @needs_llama_cpp
-def test_llama_cpp_greedy_tokens_follow_hf_eager(tied, tmp_path):
+@pytest.mark.parametrize("fixture", ["tied", "qwen2"])
+def test_llama_cpp_greedy_tokens_follow_hf_eager(fixture, request, tmp_path):
     """F16: every token equal. Q8_0: fed eager's tokens (so one early difference cannot carry
     forward), its next-token choice agrees at most positions. Q4_0 runs."""
-    folder, model = tied
+    folder, model = request.getfixturevalue(fixture)
     ref, margin = _hf_greedy(model)
     assert margin > 0.05, "near-tied logits: choose another SEED"
     assert len(set(ref)) > NEW // 2  # greedy decoding moves between tokens

@@ -1,16 +1,19 @@
-"""A GGUF file llama.cpp can run, written from a Hugging Face LLaMA or Gemma-3 folder, for ffl-bench's
-llamacpp rows.
+"""A GGUF file llama.cpp can run, written from a Hugging Face LLaMA, Qwen2 or Gemma-3 folder, for
+ffl-bench's llamacpp rows.
 
 The llama.cpp rows must time the very weights the torch rows load, so the file is written here from
 the folder's safetensors rather than taken from elsewhere. Written with the `gguf` package
 (gguf.GGUFWriter, gguf.quants); names, metadata keys and the Q/K row order follow what llama.cpp's
-`llama` and `gemma3` architectures read (src/llama-model.cpp, src/llama-vocab.cpp). Gemma-3 differs:
+`llama`, `qwen2` and `gemma3` architectures read (src/llama-model.cpp, src/llama-vocab.cpp). Qwen2 is
+LLaMA with q/k/v biases and NeoX RoPE (rotate_half, as Hugging Face's), so its Q/K rows keep their
+order; llama.cpp's qwen2 has no sliding window and shapes Q and O hidden x hidden, so a model with a
+window or another head_dim is refused. Gemma-3 differs more:
 four norms per layer (q/k norms, post-attention, pre/post-feedforward), each stored as 1 + w because
 llama.cpp multiplies by the weight where Hugging Face's Gemma multiplies by 1 + w; NeoX RoPE, so Q/K
 rows keep their order; an SPM-style vocabulary (`llama` tokenizer model); llama.cpp hard-codes its
 sliding-window layout (every sixth layer global, local RoPE base 10000), so other layouts are refused.
 
-Types (GGUF_TYPES): norms are always F32, as llama.cpp keeps them.
+Types (GGUF_TYPES): norms and biases are always F32, as llama.cpp keeps them.
     F16   every matrix F16 (bfloat16/float16 rows; bf16 -> f16 rounds no SmolLM2-135M weight, checked).
     Q8_0  every matrix Q8_0, the token embedding included (what llama.cpp's own q8_0 export does).
     Q4_0  the linears Q4_0; the token embedding and output head Q8_0. llama-quantize gives the output
@@ -45,15 +48,19 @@ _COMMON_LAYER_NAMES = {
 }
 _LAYER_NAMES = {
     "llama": {**_COMMON_LAYER_NAMES, "post_attention_layernorm": "ffn_norm"},
+    "qwen2": {**_COMMON_LAYER_NAMES, "post_attention_layernorm": "ffn_norm"},
     "gemma3_text": {**_COMMON_LAYER_NAMES, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
                     "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                     "post_feedforward_layernorm": "post_ffw_norm"},
 }
+_BIASES = {"qwen2": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}  # the only biases written
 _NAMES = {model_type: {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
                        "lm_head.weight": "output.weight",
-                       **{f"model.layers.{{i}}.{hf}.weight": f"blk.{{i}}.{ours}.weight" for hf, ours in layers.items()}}
+                       **{f"model.layers.{{i}}.{hf}.weight": f"blk.{{i}}.{ours}.weight" for hf, ours in layers.items()},
+                       **{f"model.layers.{{i}}.{hf}.bias": f"blk.{{i}}.{layers[hf]}.bias"
+                          for hf in _BIASES.get(model_type, ())}}
           for model_type, layers in _LAYER_NAMES.items()}
-_ARCH = {"llama": "LLAMA", "gemma3_text": "GEMMA3"}  # gguf.MODEL_ARCH members
+_ARCH = {"llama": "LLAMA", "qwen2": "QWEN2", "gemma3_text": "GEMMA3"}  # gguf.MODEL_ARCH members
 
 
 def unsupported(folder: str | os.PathLike) -> str | None:
@@ -63,14 +70,17 @@ def unsupported(folder: str | os.PathLike) -> str | None:
     config = json.loads((folder / "config.json").read_text())
     model_type = config.get("model_type")
     if model_type not in _ARCH:
-        return f"GGUF export supports model_type {' and '.join(map(repr, _ARCH))} only, not {model_type!r}"
-    if config.get("attention_bias") or config.get("mlp_bias"):
-        return "GGUF export does not write bias tensors"
+        names = [repr(t) for t in _ARCH]
+        return f"GGUF export supports model_type {', '.join(names[:-1])} and {names[-1]} only, not {model_type!r}"
+    if config.get("attention_bias") or config.get("mlp_bias"):  # Qwen2's q/k/v biases are no config option
+        return "GGUF export writes no bias tensors but Qwen2's q/k/v ones"
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     ropes = rope.values() if model_type == "gemma3_text" else [rope]
     if any(r.get("rope_type", r.get("type", "default")) != "default" for r in ropes):
         return "GGUF export supports plain RoPE only"
     if model_type == "gemma3_text" and (issue := _gemma3_layout_issue(config)):
+        return issue
+    if model_type == "qwen2" and (issue := _qwen2_layout_issue(config)):
         return issue
     tokenizer = folder / "tokenizer.json"
     if not tokenizer.exists() or json.loads(tokenizer.read_text())["model"]["type"] != "BPE":
@@ -91,6 +101,16 @@ def _gemma3_layout_issue(config: dict) -> str | None:
         return "llama.cpp's gemma3 scales queries by head_dim ** -0.5 (query_pre_attn_scalar differs)"
     if config.get("attn_logit_softcapping") or config.get("final_logit_softcapping"):
         return "GGUF export does not write Gemma soft-capping"
+    return None
+
+
+def _qwen2_layout_issue(config: dict) -> str | None:
+    """What llama.cpp's qwen2 would compute differently from this config, or cannot load, or None."""
+    if config.get("use_sliding_window") or any(t != "full_attention" for t in config.get("layer_types") or []):
+        return "llama.cpp's qwen2 has no sliding-window attention"
+    head_dim = config.get("head_dim")
+    if head_dim and head_dim * config["num_attention_heads"] != config["hidden_size"]:
+        return "llama.cpp's qwen2 needs head_dim * num_attention_heads == hidden_size (its Q/O shapes)"
     return None
 
 
@@ -120,7 +140,7 @@ def export(folder: str | os.PathLike, gguf_type: str, cache_dir: str | os.PathLi
 
 
 def write_gguf(folder: str | os.PathLike, gguf_type: str, path: str | os.PathLike) -> None:
-    """Write `folder` (a Hugging Face LLaMA or Gemma-3 folder) as a GGUF file of `gguf_type` at `path`."""
+    """Write `folder` (a Hugging Face LLaMA, Qwen2 or Gemma-3 folder) as a GGUF file of `gguf_type` at `path`."""
     import gguf
     from transformers import AutoConfig
 
@@ -148,7 +168,7 @@ def write_gguf(folder: str | os.PathLike, gguf_type: str, path: str | os.PathLik
 def _add_hparams(writer, config, name: str, gguf_type: str) -> None:
     import gguf
 
-    heads = config.num_attention_heads
+    heads, head_dim = config.num_attention_heads, _head_dim(config)
     writer.add_name(name)
     writer.add_file_type({"F16": gguf.LlamaFileType.MOSTLY_F16, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
                           "Q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[gguf_type])
@@ -165,10 +185,15 @@ def _add_hparams(writer, config, name: str, gguf_type: str) -> None:
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
     if config.model_type == "gemma3_text":
         writer.add_sliding_window(config.sliding_window)
-    writer.add_rope_dimension_count(config.head_dim)
-    if config.head_dim != config.hidden_size // heads:  # llama.cpp assumes hidden / heads otherwise
-        writer.add_key_length(config.head_dim)
-        writer.add_value_length(config.head_dim)
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != config.hidden_size // heads:  # llama.cpp assumes hidden / heads otherwise
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+
+
+def _head_dim(config) -> int:
+    """Qwen2's config may leave head_dim out (None): Hugging Face then uses hidden / heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def _add_vocab(writer, folder: Path, config) -> None:
@@ -233,15 +258,16 @@ def _pre_tokenizer(spec: dict) -> str:
 
 def _tensors(folder: Path, config):
     """(llama.cpp name, float32 array) of every weight: for `llama` Q and K rows reordered for llama.cpp's
-    RoPE, for Gemma-3 norms as 1 + w; the output head is left out when tied to the embedding (llama.cpp
-    then reads token_embd)."""
+    RoPE (qwen2 and gemma3 rotate as HF does), for Gemma-3 norms as 1 + w; the output head is left out
+    when tied to the embedding (llama.cpp then reads token_embd)."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {folder}")
     gemma = config.model_type == "gemma3_text"
-    heads = {} if gemma else {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
+    heads = heads if config.model_type == "llama" else {}
     for file in files:
         with safe_open(file, framework="pt") as fh:
             for hf_name in fh.keys():
@@ -253,7 +279,7 @@ def _tensors(folder: Path, config):
                 array = fh.get_tensor(hf_name).float().numpy()
                 kind = name.split(".")[-2]
                 if kind in heads:
-                    array = array[rotary_row_order(heads[kind], config.head_dim)]
+                    array = array[rotary_row_order(heads[kind], _head_dim(config))]
                 if gemma and kind.endswith("norm"):
                     array = array + 1.0
                 yield name, array

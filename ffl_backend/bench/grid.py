@@ -204,7 +204,23 @@ def environment() -> dict:
     return {"machine": f"{cpu}, {os.cpu_count()} cores" + (f", {gpu}" if gpu else ""),
             "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "triton": triton.__version__,
-            "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+            "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "instruction_sets": instruction_sets()}
+
+
+def instruction_sets() -> dict:
+    """What this process may use: the CPU's vector / matrix flags, fastflow's build target (FFL_CPU_MARCH),
+    ATen's kernels (ATEN_CPU_CAPABILITY) and oneDNN's limit (ONEDNN_MAX_CPU_ISA): an AVX2 proxy run on
+    an AVX-512 machine says so here."""
+    import torch
+
+    from ..kernels.cpu_isa import cpu_flags, target_arch
+
+    flags = set(cpu_flags().split())
+    wanted = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni", "amx_tile")
+    return {"cpu_flags": [f for f in wanted if f in flags], "fastflow_march": target_arch(),
+            "aten": torch.backends.cpu.get_cpu_capability(),
+            "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "(all)")}
 
 
 def report_row(row: dict, out: str | None = None) -> dict:

@@ -74,13 +74,21 @@ def table(grid: dict) -> str:
     return "\n".join(rows)
 
 
+def _isa_note(isa: dict | None) -> str:
+    """One sentence on the instruction sets the torch rows used (absent from older files)."""
+    if not isa:
+        return ""
+    return (f" CPU flags {'/'.join(isa['cpu_flags']) or 'baseline'}; used: fastflow -march={isa['fastflow_march']}, "
+            f"ATen {isa['aten']}, oneDNN up to {isa['onednn_max_cpu_isa']}.")
+
+
 def header(grid: dict) -> str:
     """Where and how the figures were measured, in markdown."""
     env, bw, st = grid["environment"], grid.get("bandwidth", {}), grid.get("settings", {})
     interleaved = st.get("schedule") == "interleaved"
     lines = [f"`{grid['command']}`" if grid.get("command") else "",
              f"{env['machine']}; torch {env['torch']}, transformers {env['transformers']}, "
-             f"{env['torch_threads']} threads; {env['date']}.",
+             f"{env['torch_threads']} threads; {env['date']}." + _isa_note(env.get("instruction_sets")),
              f"{st.get('new_tokens')} new tokens, greedy; median of {st.get('repeats')} timed generates after "
              f"{st.get('warmup')} warm-up (the first compiles). Each configuration in its own process with its "
              + ("own Inductor cache, all processes alive and timed round robin (one generate each per round), "

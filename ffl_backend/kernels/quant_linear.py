@@ -273,11 +273,31 @@ def int4_cpu_linear(x: Tensor, packed: Tensor, scale_zeros: Tensor, group_size: 
     return _finish(y, x, bias)
 
 
+@functools.cache
+def int_mm_is_exact() -> bool:
+    """Whether `torch._int_mm` sums int8 products exactly on this CPU. oneDNN's int8 GEMM without VNNI
+    (AVX2 CPUs, or ONEDNN_MAX_CPU_ISA=AVX2) multiplies with vpmaddubsw, whose 16-bit pair sums
+    saturate: on a worst-case probe it was off by ~4e4 of ~1e6, and on SmolLM2's activations it cost
+    W8A8 about a point of perplexity. Asked of torch itself, once."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # first asked while Inductor traces the op: real tensors, please
+        a = torch.full((8, 64), 127, dtype=torch.int8)  # u8 * s8 pairs of 255 * 127: past int16
+        b = torch.full((64, 8), 127, dtype=torch.int8)
+        b[:, 1::2] = -128
+        return torch.equal(torch._int_mm(a, b).long(), a.long() @ b.long())
+
+
 def _w8a8_cpu(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Optional[Tensor],
               bias: Optional[Tensor], smooth: Optional[Tensor]) -> Tensor:
     qx, xs = P.quantize_act_int8(smoothed_rows(x, smooth).float(), x_scale)
-    acc = torch._int_mm(qx, qweight.T)  # (K, N) view of the row-major weight: no copy
-    return _finish(acc.float() * xs * w_scale.float(), x, bias)
+    if int_mm_is_exact():
+        acc = torch._int_mm(qx, qweight.T).float()  # (K, N) view of the row-major weight: no copy
+    elif cpu_lib.load():  # the codes as fp32 through fastflow's GEMM: each product exact, sums in fp32
+        acc = torch.ops.fastflow_cpu.gemm(qx.float(), qweight, None, None)
+    else:
+        acc = qx.float() @ qweight.float().T
+    return _finish(acc * xs * w_scale.float(), x, bias)
 
 
 # --- ops ------------------------------------------------------------------------------------------
