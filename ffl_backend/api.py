@@ -154,6 +154,7 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
         from .kernels import cpu_lib  # built and tuned now: nothing is timed while compiling
 
         cpu_lib.load()
+        prompt_linears.pretune(model)  # the rows from which prompts take fastflow's GEMM, per shape
     else:
         from .quant.modules import pretune_linears  # the Triton tiles of decode's shape, likewise
 

@@ -33,11 +33,15 @@ class PromptLinear(nn.Linear):
         return F.linear(x, w, self.bias)
 
 
+def applies_to_device(model) -> bool:
+    param = next(model.parameters(), None)
+    return param is not None and param.device.type == "cpu"
+
+
 def applies(model) -> bool:
     """Whether `install` would change anything: a CPU model, a CPU without native bf16 matmul, and
     the C++ library built (cpu_gemm.replaces_bf16_matmul)."""
-    param = next(model.parameters(), None)
-    return param is not None and param.device.type == "cpu" and cpu_gemm.replaces_bf16_matmul()
+    return applies_to_device(model) and cpu_gemm.replaces_bf16_matmul()
 
 
 def install(model) -> list:
@@ -50,6 +54,27 @@ def install(model) -> list:
             module.__class__ = PromptLinear
             names.append(name)
     return names
+
+
+def pretune(model) -> None:
+    """Search, now rather than in the first prompt, the rows from which each linear shape of the model
+    takes the GEMM (cached per machine: a no-op after the first time)."""
+    from .kernels import quant_linear
+
+    if not applies_to_device(model) or not cpu_gemm.available():
+        return
+    shapes = set()
+    for module in model.modules():
+        if type(module) is PromptLinear:
+            shapes.add((_KINDS[module.weight.dtype], *module.weight.shape))
+        elif getattr(module, "scheme", None) == "int8" and module.qweight.dim() == 2:
+            shapes.add(("int8", *module.qweight.shape))
+        elif getattr(module, "scheme", None) == "int4" and getattr(module, "cpu_packed", None) is not None \
+                and module.cpu_packed.dim() == 3:
+            shapes.add(("int4", module.out_features, module.in_features))
+    for kind, n, k in sorted(shapes):
+        make = None if kind in ("bf16", "fp16") else quant_linear._gemm_paths(kind, n, k)
+        cpu_gemm.prompt_gemm_min_rows(kind, n, k, make)
 
 
 def uninstall(model, names: list) -> None:
