@@ -6,12 +6,17 @@ after ffl_backend changes (an upgrade, a fixed kernel path) a warm cache would s
 graph compiled from the old body. Inductor includes the `uuid()` of any custom graph pass in its
 config in the key; `SourceVersion` is a pass that does nothing and whose uuid hashes this package's
 sources, so any change to them is a cache miss.
+
+The uuid also names the vector ISA ATen runs (`ATEN_CPU_CAPABILITY` can lower it): torch 2.13's key
+leaves it out, and a graph generated for 8-wide AVX2 vectors, recompiled for AVX-512 where
+`Vectorized<float>` holds 16, stores past the ends of its buffers.
 """
 from __future__ import annotations
 
 import functools
 from pathlib import Path
 
+import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
 PACKAGE = Path(__file__).resolve().parent
@@ -24,13 +29,14 @@ def source_hash() -> bytes:
 
 
 class SourceVersion(CustomGraphPass):
-    """A no-op post-grad pass that carries ffl_backend's source hash into Inductor's cache key."""
+    """A no-op post-grad pass that carries ffl_backend's source hash and ATen's CPU vector ISA into
+    Inductor's cache key."""
 
     def __call__(self, graph) -> None:
         return None
 
     def uuid(self) -> bytes:
-        return source_hash()
+        return source_hash() + torch.backends.cpu.get_cpu_capability().encode()
 
 
 def cache_config(user_patches: dict) -> dict:

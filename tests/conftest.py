@@ -10,10 +10,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # tests/kernels/test_autotune.py turns the search on against a cache folder of its own.
 os.environ.setdefault("FFL_AUTOTUNE", "0")
 
+import tempfile  # noqa: E402
 import zlib  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+# Inductor's on-disk cache, one per vector ISA (ATEN_CPU_CAPABILITY lowers it): torch 2.13 does not key
+# its FX graph cache on it, and C++ generated for 8-wide AVX2 vectors, recompiled for AVX-512, writes
+# past its buffers (a suite run after an AVX2-only run on the same machine aborted that way).
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"torchinductor-ffl-tests-{os.getuid()}-{torch.backends.cpu.get_cpu_capability()}"))
 
 
 @pytest.fixture(autouse=True)

@@ -122,6 +122,10 @@ def test_inductor_cache_key_follows_ffl_backend_sources(monkeypatch):
     new_version = os.urandom(16)  # never seen before, by this run or any earlier one
     monkeypatch.setattr(cache_key, "source_hash", lambda: new_version)
     assert compile_once().get("fxgraph_cache_miss") == 1
+    # ATEN_CPU_CAPABILITY=avx2 on an AVX-512 CPU: code generated for the other vector width must miss
+    other_isa = "AVX2" if torch.backends.cpu.get_cpu_capability() != "AVX2" else "DEFAULT"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: other_isa)
+    assert compile_once().get("fxgraph_cache_miss") == 1
 
 
 def test_inductor_defaults_drop_size_asserts_allow_fma_and_user_patches_win(monkeypatch):
