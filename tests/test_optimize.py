@@ -72,21 +72,25 @@ def test_pipeline_runs_compiled_after_optimize(smollm2):
         pipe(PROMPT, max_new_tokens=4096)
 
 
-# Greedy agreement of optimize()'s bf16 and quantized SmolLM2 with bf16 eager (HF defaults): the share
-# of AGREE_NEW positions x AGREE_PROMPTS whose token equals eager's. Measured on the project's 2-core
-# Xeon (AVX-512/AMX), torch 2.13.0+cpu, `pytest -q -s tests/test_optimize.py -k agreement`:
-#   bf16 1.00 (72/72; first divergence at [24, 24, 24] = none), int8 0.67 (48/72; [19, 24, 5]),
-#   int4-all 0.43 (31/72; [5, 13, 5]); bf16 weights with an int8 KV cache ("kv-int8") 0.89 (64/72;
-#   [17, 24, 23]), with an fp8 e4m3 one 0.92 (66/72; [12, 24, 24]) (2026-12-05; "kv-fp8" is measured
-#   by adding it to AGREE_BARS, left out of the suite for its ~100 s).
-# The bars sit just below. A quantized model leaves eager's path where bf16 eager's own top-2 logits
-# are close and then continues on a plausible path of its own, so the figures are per prompt and a
-# change of prompts needs a new measurement. Compiled in mode "default": the kernels and numerics of
-# optimize()'s "reduce-overhead" (which adds the C++ wrapper only), ~15 s less compile per model.
-# Time on that machine: ~95 s with Inductor's on-disk caches cold, ~40 s warm (a rerun).
+# Greedy tokens of optimize()'s bf16 and quantized SmolLM2 against bf16 eager (HF defaults), AGREE_NEW
+# new tokens after each of AGREE_PROMPTS. bf16 weights ("bf16", and with an int8 KV cache "kv-int8"):
+# each row may leave eager's path only where eager's own top-2 logits are closer than the variant's
+# error can move them -- TIE_TOLERANCE, relative to the logit: bf16 rounds each logit by half a unit
+# in the last of its 8 bits (2**-9 relative), two of them and a differently ordered sum of the same
+# bf16 products round to 2**-7; an int8 KV cache adds its rounding step, half of 1/127 of each row's
+# largest value, to every K and V element, allowed once per side (2/127). A different CPU picks
+# different kernels and so a different side of a tie: on an AMD EPYC (Zen 4) "kv-int8" leaves eager's
+# third row at token 5, where eager's own margin is 0.031 (a count of agreeing tokens, 0.74 there
+# against 0.89 on the Xeon, would have failed). Quantized weights ("int8", "int4-all") move logits by
+# more than their rounding alone explains, so those keep agreement bars just below what they measured,
+# the same on the Xeon and the EPYC (`pytest -q -s tests/test_optimize.py -k agreement`): int8 0.67
+# (48/72; first divergences [19, 24, 5]), int4-all 0.43 (31/72; [5, 13, 5]). Compiled in mode
+# "default": the kernels and numerics of optimize()'s "reduce-overhead" (which adds the C++ wrapper
+# only), ~15 s less compile per model. ~95 s with Inductor's on-disk caches cold, ~40 s warm.
 AGREE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
 AGREE_NEW = 24
-AGREE_BARS = {"bf16": 0.95, "int8": 0.6, "int4-all": 0.4, "kv-int8": 0.85}
+TIE_TOLERANCE = {"bf16": 2 ** -7, "kv-int8": 2 ** -7 + 2 / 127}
+AGREE_BARS = {"int8": 0.6, "int4-all": 0.4}
 
 
 def _greedy_rows(model, rows):
@@ -97,28 +101,47 @@ def _greedy_rows(model, rows):
 
 @pytest.fixture(scope="module")
 def bf16_eager():
-    """(prompt ids, bf16 eager greedy tokens per prompt): unpatched SmolLM2 with HF's defaults."""
+    """(prompt ids, bf16 eager greedy tokens per prompt, eager's logits at each new token's position):
+    unpatched SmolLM2 with HF's defaults."""
     model, tokenizer = ffl_backend.load_smollm2(torch.bfloat16)
     rows = [tokenizer(p, return_tensors="pt").input_ids for p in AGREE_PROMPTS]
-    return rows, _greedy_rows(model, rows)
+    tokens = _greedy_rows(model, rows)
+    with torch.inference_mode():
+        logits = [model(torch.cat([ids[0], new])[None]).logits[0, ids.shape[1] - 1:-1].float()
+                  for ids, new in zip(rows, tokens)]
+    return rows, tokens, logits
+
+
+def _first_divergence(fast, eager) -> int:
+    return next((i for i in range(AGREE_NEW) if fast[i] != eager[i]), AGREE_NEW)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", list(AGREE_BARS))
+@pytest.mark.parametrize("variant", [*TIE_TOLERANCE, *AGREE_BARS])
 def test_smollm2_bf16_and_quantized_greedy_agreement(bf16_eager, variant):
-    rows, eager = bf16_eager
+    rows, eager, eager_logits = bf16_eager
     model, _ = ffl_backend.load_smollm2(torch.bfloat16)
     with NoFallbacks():
         kv = variant[3:] if variant.startswith("kv-") else None  # bf16 weights, a quantized KV cache
         ffl_backend.optimize(model, max_seq_len=64, mode="default", kv_cache_dtype=kv,
-                             quant=None if variant == "bf16" or kv else variant)
+                             quant=None if variant in TIE_TOLERANCE else variant)
         fast = _greedy_rows(model, rows)
     same = sum(int((a == b).sum()) for a, b in zip(fast, eager))
     agreement = same / (AGREE_NEW * len(rows))
-    prefixes = [next((i for i in range(AGREE_NEW) if a[i] != b[i]), AGREE_NEW) for a, b in zip(fast, eager)]
+    prefixes = [_first_divergence(f, e) for f, e in zip(fast, eager)]
     print(f"\nSmolLM2 {variant} vs bf16 eager: agreement {agreement:.2f} ({same}/{AGREE_NEW * len(rows)}); "
           f"first divergence {prefixes}")
-    assert agreement >= AGREE_BARS[variant], (agreement, prefixes)
+    if variant in AGREE_BARS:
+        assert agreement >= AGREE_BARS[variant], (agreement, prefixes)
+        return
+    for row, (i, f, e, logits) in enumerate(zip(prefixes, fast, eager, eager_logits)):
+        if i == AGREE_NEW:
+            continue
+        top = logits[i, e[i]]
+        gap = float(top - logits[i, f[i]])
+        assert gap <= TIE_TOLERANCE[variant] * abs(float(top)), (
+            f"row {row} left eager's path at token {i} ({int(f[i])} for {int(e[i])}) where eager's logits "
+            f"differ by {gap:.3f} of {float(top):.2f}: more than {variant}'s error explains")
 
 
 def _launch(*launch_args, env=None):
