@@ -211,12 +211,15 @@ def test_config_validation():
         ffl_backend.quantize(tiny_model("llama"), QuantConfig("w8a8", min_output_sqnr=20.0))
 
 
-def test_w8a8_static_preset_is_the_searched_config_and_needs_calibration():
+def test_w8a8_presets_are_the_searched_configs_and_need_calibration():
     from ffl_backend.quant.schemes import resolve_steps
     from tests.tiny_models import tiny_model
 
-    (cfg,) = resolve_steps("w8a8-static")
-    assert cfg.static and cfg.clip_search and cfg.smoothquant_alpha == "auto"
-    assert cfg.min_output_sqnr == 22.0 and cfg.static_range_limit == float("inf")
-    with pytest.raises(ValueError, match="calibration"):
-        ffl_backend.quantize(tiny_model("llama"), "w8a8-static")
+    (static,) = resolve_steps("w8a8-static")
+    assert static.static and static.clip_search and static.smoothquant_alpha == "auto"
+    assert static.min_output_sqnr == 22.0 and static.static_range_limit == 8.0
+    (smooth,) = resolve_steps("w8a8-smooth")
+    assert not smooth.static and smooth.smoothquant_alpha == "auto" and smooth.min_output_sqnr == 22.0
+    for preset in ("w8a8-static", "w8a8-smooth"):
+        with pytest.raises(ValueError, match="calibration"):
+            ffl_backend.quantize(tiny_model("llama"), preset)
