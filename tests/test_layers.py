@@ -23,7 +23,7 @@ LAYERS = (
                      "ffl_backend.generation", "ffl_backend.hf_attention", "ffl_backend.window_cache",
                      "ffl_backend.kv_cache", "ffl_backend.prompt_linears",
                      "ffl_backend.decode_loop", "ffl_backend.api", "ffl_backend.models", "ffl_backend.engine")),
-    ("tools", ("ffl_backend.bench", "ffl_backend.demo", "ffl_backend.quant.cli", "ffl_backend.engine.server")),
+    ("tools", ("ffl_backend.bench", "ffl_backend.demo", "ffl_backend.quant.cli", "ffl_backend.serve")),
     ("package", ("ffl_backend",)),  # the package's own __init__: lazy names for users only
 )
 

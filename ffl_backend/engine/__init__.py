@@ -1,5 +1,5 @@
-"""The inference engine: continuous batching over a paged KV cache, with streaming (engine.py),
-and `ffl-serve`, its OpenAI-style HTTP server (server.py). Nothing is imported until used."""
+"""The inference engine: continuous batching over a paged KV cache, with streaming (engine.py).
+Its HTTP server, `ffl-serve`, is ffl_backend.serve. Nothing is imported until used."""
 from .._lazy import lazy_getattr
 
 __all__ = ["OptimizedInferenceEngine", "SamplingParams", "RequestError", "Completion", "Chunk"]

@@ -32,6 +32,8 @@ logger = logging.getLogger("ffl_backend")
 class Chunk:
     token_id: int
     text: str  # the text this token completes ("" while a multi-byte character is incomplete)
+    logprob: float | None = None  # with SamplingParams.logprobs
+    top_logprobs: list[tuple[int, float]] | None = None
 
 
 @dataclasses.dataclass
@@ -41,23 +43,29 @@ class Completion:
     finish_reason: str | None
     error: str | None = None
     prompt_tokens: int = 0
+    logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
 
 class _Detokenizer:
-    """Incremental text: decode everything so far, emit what is new, hold back an incomplete char."""
+    """Incremental text at O(1) tokens per step: decode a short window that starts a few tokens
+    back (so a word-initial space or a merge is seen in context), emit what it adds beyond the
+    window's previous text, and hold back an incomplete multi-byte character."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+        self.tokenizer, self.ids = tokenizer, []
+        self.prefix = self.read = 0  # ids[prefix:read] is the context already emitted
 
     def push(self, token: int) -> str:
         self.ids.append(token)
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        text = decode(self.ids[self.prefix:], skip_special_tokens=True)
+        if len(text) <= len(before) or text.endswith("\ufffd"):
             return ""
-        delta, self.text = text[len(self.text):], text
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
 
 
 class RequestStream:
@@ -82,9 +90,15 @@ class RequestStream:
     def id(self) -> int:
         return self._req.id
 
-    def cancel(self) -> None:
-        self._req.cancel()
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Retire the request at the next step, freeing its blocks; `reason` "stop" when the caller
+        found a stop string."""
+        self._req.cancel(reason)
         self._engine._wake()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self._req.prompt_ids)
 
     def __aiter__(self):
         return self
@@ -98,12 +112,17 @@ class RequestStream:
             if self._req.error is not None and self._req.finish_reason == "error":
                 raise RuntimeError(self._req.error)
             raise StopAsyncIteration
-        return Chunk(tok, self._detok.push(tok))
+        chunk = Chunk(tok, self._detok.push(tok))
+        i = len(self._detok.ids) - 1
+        if self._req.params.logprobs is not None and i < len(self._req.logprobs):
+            chunk.logprob, chunk.top_logprobs = self._req.logprobs[i]
+        return chunk
 
     def _completion(self) -> Completion:
         r = self._req
         text = self._engine.decode(r.output_ids) if self._engine.tokenizer is not None else None
-        return Completion(list(r.output_ids), text, r.finish_reason, r.error, len(r.prompt_ids))
+        logprobs = list(r.logprobs) if r.params.logprobs is not None else None
+        return Completion(list(r.output_ids), text, r.finish_reason, r.error, len(r.prompt_ids), logprobs)
 
     async def result(self) -> Completion:
         try:
@@ -203,6 +222,18 @@ class OptimizedInferenceEngine:
             self._lock.notify()
         self._thread.join()
         hf_paged.uninstall(self.model, self._prev_attn)
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has ended (closed, or died)."""
+        return self._thread.is_alive() and not self._stop
+
+    def load(self) -> dict:
+        """Running and waiting requests and KV blocks in use, read without a lock (for metrics)."""
+        s = self.scheduler
+        free = s.allocator.free
+        return {"running": len(s.running), "waiting": len(s.waiting) + len(self._incoming),
+                "blocks_used": self.num_blocks - 1 - free, "blocks_free": free}
 
     def __enter__(self):
         return self

@@ -26,7 +26,7 @@ import logging
 import time
 
 from .paged_cache import DUMMY_BLOCK, BlockAllocator, blocks_for
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, sample, token_logprobs
 
 logger = logging.getLogger("ffl_backend")
 _ids = itertools.count()
@@ -43,20 +43,23 @@ class Request:
         self.generator = params.generator()
         self.output_ids: list[int] = []
         self.blocks: list[int] = []
-        self.finish_reason: str | None = None  # "stop" (eos), "length", "cancelled", "error"
+        self.finish_reason: str | None = None  # "stop" (eos, stop id or string), "length", "cancelled", "error"
         self.error: str | None = None
+        self.logprobs: list[tuple[float, list[tuple[int, float]]]] = []  # per output token, when asked
         self.preemptions = 0
         self.arrival = time.monotonic()
-        self._cancelled = False
+        self._cancel_reason: str | None = None
         self.on_token = on_token
         self.on_finish = on_finish
 
-    def cancel(self) -> None:
-        self._cancelled = True
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Retire at the next step with this finish reason ("stop" when a stop string matched)."""
+        if self._cancel_reason is None:
+            self._cancel_reason = reason
 
     @property
     def cancelled(self) -> bool:
-        return self._cancelled
+        return self._cancel_reason is not None
 
     @property
     def done(self) -> bool:
@@ -128,7 +131,7 @@ class Scheduler:
         self.stats["tokens"] += 1
         if req.on_token is not None:
             req.on_token(req, token)
-        if token in self.eos_ids and not req.params.ignore_eos:
+        if (token in self.eos_ids and not req.params.ignore_eos) or token in req.params.stop_token_ids:
             self._finish(req, "stop")
         elif len(req.output_ids) >= req.params.max_new_tokens:
             self._finish(req, "length")
@@ -142,7 +145,7 @@ class Scheduler:
         for req in [r for r in itertools.chain(self.running, self.waiting) if r.cancelled]:
             if req in self.waiting:
                 self.waiting.remove(req)
-            self._finish(req, "cancelled")
+            self._finish(req, req._cancel_reason)
         self._admit()
         if self.running:
             self._reserve_decode_slots()
@@ -167,8 +170,7 @@ class Scheduler:
             self.stats["prefills"] += 1
             self.stats["prefill_tokens"] += n
             self.running.append(req)
-            self._emit(req, sample(logits, req.params, req.generator))
-            self._drop_out_of_window(req)
+            self._sample_and_emit(req, logits)
 
     def _reserve_decode_slots(self) -> None:
         """Each running sequence writes the k/v of its newest token at position `cached`."""
@@ -207,5 +209,18 @@ class Scheduler:
         self.stats["decode_steps"] += 1
         for row, req in enumerate(batch):
             if not req.done:
-                self._emit(req, sample(logits[row], req.params, req.generator))
-                self._drop_out_of_window(req)
+                self._sample_and_emit(req, logits[row])
+
+    def _sample_and_emit(self, req: Request, logits) -> None:
+        """A failure here (sampling, logprobs, a callback) fails this request only."""
+        try:
+            token = sample(logits, req.params, req.generator, req.prompt_ids, req.output_ids)
+            if req.params.logprobs is not None:
+                req.logprobs.append(token_logprobs(logits, token, req.params.logprobs))
+            self._emit(req, token)
+        except Exception as exc:  # noqa: BLE001
+            logger.exception("sampling failed for request %d", req.id)
+            if not req.done:
+                self._finish(req, "error", f"{type(exc).__name__}: {exc}")
+            return
+        self._drop_out_of_window(req)
