@@ -49,6 +49,9 @@ class ChoiceEvent:
     error: str | None = None
 
 
+_CANCELLED = object()
+
+
 class Cutoff(Exception):
     """The request's time is up: `status` 408 (its own timeout) or 503 (the server is stopping)."""
 
@@ -86,10 +89,10 @@ class Generation:
         self.stopping, self.grace_s, self.metrics = stopping, grace_s, metrics
         self.start = time.monotonic()
         self._last = [None] * len(streams)
-        self._cancelled = asyncio.Event()
+        self._queue: asyncio.Queue = asyncio.Queue()  # events, None per finished choice, or an ending
 
     def cancel(self) -> None:
-        self._cancelled.set()
+        self._queue.put_nowait(_CANCELLED)
         for s in self.streams:
             s.cancel()
 
@@ -114,8 +117,9 @@ class Generation:
 
     async def events(self):
         """ChoiceEvents of every choice as they come; raises Cutoff when cut, CancelledError when
-        cancelled. Every engine request is retired when this ends, however it ends."""
-        queue: asyncio.Queue = asyncio.Queue()
+        cancelled. Every engine request is retired when this ends, however it ends. The cut-off
+        and cancel() post into the same queue as the tokens: one await per event."""
+        queue = self._queue
 
         async def pump(i, stream):
             try:
@@ -126,26 +130,25 @@ class Generation:
             finally:
                 queue.put_nowait(None)
 
+        async def cut():
+            queue.put_nowait(await self._cut_after())
+
         tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self.streams)]
-        cut = asyncio.create_task(self._cut_after())
-        cancelled = asyncio.create_task(self._cancelled.wait())
+        tasks.append(asyncio.create_task(cut()))
         try:
-            remaining = len(tasks)
+            remaining = len(self.streams)
             while remaining:
-                get = asyncio.create_task(queue.get())
-                await asyncio.wait({get, cut, cancelled}, return_when=asyncio.FIRST_COMPLETED)
-                if not get.done():
-                    get.cancel()
-                    if cut.done():
-                        raise cut.result()
-                    raise asyncio.CancelledError()
-                ev = get.result()
+                ev = await queue.get()
                 if ev is None:
                     remaining -= 1
-                    continue
-                yield ev
+                elif ev is _CANCELLED:
+                    raise asyncio.CancelledError()
+                elif isinstance(ev, Cutoff):
+                    raise ev
+                else:
+                    yield ev
         finally:
-            for task in (*tasks, cut, cancelled):
+            for task in tasks:
                 task.cancel()
             for s in self.streams:
                 s.cancel()  # a no-op for finished requests

@@ -119,3 +119,33 @@ def test_api_key_right_and_wrong(tiny_folder):
     finally:
         served.stop()
         engine.close()
+
+
+def test_chat_template_override_and_cors(tiny_folder):
+    """--chat-template replaces the tokenizer's; CORS answers only the allowed origins."""
+    import json
+    import urllib.request
+
+    engine = make_engine(tiny_folder)
+    served = Served(engine, chat_template="{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}",
+                    allowed_origins=("https://ui.example",))
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "man"}]}).encode()
+        req = urllib.request.Request(served.url + "/tokenize", data=body, headers={"Content-Type": "application/json"})
+        tokens = json.loads(urllib.request.urlopen(req, timeout=10).read())["tokens"]
+        assert tokens == engine.tokenizer("user man", add_special_tokens=False)["input_ids"]
+
+        def preflight(origin):
+            req = urllib.request.Request(served.url + "/v1/chat/completions", method="OPTIONS", headers={
+                "Origin": origin, "Access-Control-Request-Method": "POST"})
+            try:
+                resp = urllib.request.urlopen(req, timeout=10)
+            except urllib.error.HTTPError as exc:
+                resp = exc
+            return resp.headers.get("access-control-allow-origin")
+
+        assert preflight("https://ui.example") == "https://ui.example"
+        assert preflight("https://evil.example") is None
+    finally:
+        served.stop()
+        engine.close()
