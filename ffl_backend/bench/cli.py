@@ -61,7 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eager = HF static cache uncompiled; inductor = static cache + torch.compile; "
                         "fastflow = static cache + this project's backend; llamacpp = llama.cpp (llama-cpp-python) "
                         "on a GGUF file written from the same weights: F16, Q8_0 for int8/int8-all, Q4_0 for "
-                        "int4/int4-all (not run unless named)")
+                        "int4/int4-all; onnxruntime / onnxruntime-genai = the model exported by export_onnx "
+                        "(float32, int8/int4 as MatMulNBits) in plain ONNX Runtime / ONNX Runtime GenAI "
+                        "(these not run unless named)")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=DTYPES + ("float16",))
     p.add_argument("--quant", nargs="+", default=["none"], choices=QUANTS,
                    help="weight quantization schemes (ffl_backend.quantize); float32 x scheme is skipped")

@@ -25,11 +25,12 @@ import tempfile
 import time
 
 from ..quant.schemes import PRESETS, SCHEMES
-from . import llamacpp
+from . import llamacpp, onnxruntime_rows
 from .interleave import fits_in_memory, run_worker, setup_order, time_interleaved
 
-BACKENDS = ("eager", "inductor", "fastflow", "llamacpp")
-DEFAULT_BACKENDS = BACKENDS[:3]  # llamacpp needs llama-cpp-python, an optional build: asked for by name
+BACKENDS = ("eager", "inductor", "fastflow", "llamacpp", *onnxruntime_rows.BACKENDS)
+DEFAULT_BACKENDS = BACKENDS[:3]  # the others need optional packages (and an export): asked for by name
+OUT_OF_TORCH = ("llamacpp", *onnxruntime_rows.BACKENDS)  # rows that run no torch model: nothing compiles
 DTYPES = ("float32", "bfloat16")
 QUANTS = ("none", *SCHEMES, *PRESETS)  # "none": the model as loaded
 SCHEDULES = ("interleaved", "sequential")
@@ -41,9 +42,13 @@ def skip_reason(cfg: dict) -> str | None:
     Quantized linears take their scales in the activation dtype and are built for bf16/fp16
     activations; with fp32 activations they are 3-5x slower than fp32 F.linear (measured on the
     project's 2-core AVX-512 CPU), so an fp32 x scheme row would time a configuration nobody should use.
-    llama.cpp rows have reasons of their own (llamacpp.skip_reason)."""
+    llama.cpp and ONNX Runtime rows have reasons of their own (their modules' skip_reason)."""
+    if cfg["backend"] in OUT_OF_TORCH and cfg.get("tp", 1) > 1:
+        return f"{cfg['backend']} rows run in one process"
     if cfg["backend"] == "llamacpp":
-        return "llama.cpp rows run in one process" if cfg.get("tp", 1) > 1 else llamacpp.skip_reason(cfg)
+        return llamacpp.skip_reason(cfg)
+    if cfg["backend"] in onnxruntime_rows.BACKENDS:
+        return onnxruntime_rows.skip_reason(cfg)
     if cfg["quant"] != "none" and cfg["dtype"] == "float32":
         return "quantized schemes run on bfloat16/float16 models only"
     return None
@@ -96,7 +101,7 @@ def _with_warm_compile(cfg: dict, measured: dict, cache_dir: str, warm_compile: 
     """The result row of a measured configuration, with compile_warm_s from a second process on its
     (now warm) cache folder."""
     res = {**cfg, **measured, "compile_warm_s": None}
-    if warm_compile and cfg["backend"] not in ("eager", "llamacpp") and "error" not in res:
+    if warm_compile and cfg["backend"] not in ("eager", *OUT_OF_TORCH) and "error" not in res:
         warm = run_worker({**cfg, "mode": "warm"}, cache_dir)
         if "error" in warm:
             res["error"] = "warm run: " + warm["error"]
@@ -182,15 +187,19 @@ def speedups(results: list[dict], paired: bool = False) -> None:
     fastflow rows relative to the llama.cpp row of the same dtype, quantization, batch and prompt (the
     GGUF type standing for that quantization): the ratio of medians, and with `paired` (interleaved
     rounds: `decode_tok_s_all[i]` all come from round i) also the median of the per-round ratios,
-    which a drift of the machine's speed cancels out of."""
+    which a drift of the machine's speed cancels out of. Against ONNX Runtime (float32 rows only: its
+    CPU kernels have no bfloat16) every fastflow row of the same quantization, batch and prompt."""
     timed = [r for r in results if "decode_tok_s" in r]
     base = {_group(r): r for r in timed if r["backend"] == "inductor" and r.get("quant", "none") == "none"}
     llama = {(*_group(r), r["quant"]): r for r in timed if r["backend"] == "llamacpp"}
+    ort = {(*_group(r)[1:], r["quant"]): r for r in timed if r["backend"] == "onnxruntime"}
     for r in timed:
         if _group(r) in base:
             _ratios(r, base[_group(r)], "speedup_vs_inductor", paired)
         if r["backend"] == "fastflow" and (*_group(r), r.get("quant", "none")) in llama:
             _ratios(r, llama[(*_group(r), r.get("quant", "none"))], "speedup_vs_llamacpp", paired)
+        if r["backend"] == "fastflow" and (*_group(r)[1:], r.get("quant", "none")) in ort:
+            _ratios(r, ort[(*_group(r)[1:], r.get("quant", "none"))], "speedup_vs_onnxruntime", paired)
 
 
 def environment() -> dict:
@@ -298,6 +307,9 @@ def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new
     llama_cfgs = [cfg for cfg in todo if cfg["backend"] == "llamacpp"]
     if llama_cfgs:
         llamacpp.prepare(llama_cfgs, log)
+    ort_cfgs = [cfg for cfg in todo if cfg["backend"] in onnxruntime_rows.BACKENDS]
+    if ort_cfgs:
+        onnxruntime_rows.prepare(ort_cfgs, log)
     settings["schedule"] = schedule = choose_schedule(schedule, todo, log)
     bar = Progress(len(todo)) if progress else None
     results = (run_interleaved(todo, repeats, warm_compile, bar) if schedule == "interleaved"
@@ -308,6 +320,7 @@ def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new
     add_ceilings(results, device)
     agreement(results)
     speedups(results, paired=schedule == "interleaved")
-    env = {**environment(), **({"llama_cpp": llamacpp.environment()} if llama_cfgs else {})}
+    env = {**environment(), **({"llama_cpp": llamacpp.environment()} if llama_cfgs else {}),
+           **({"onnxruntime": onnxruntime_rows.environment()} if ort_cfgs else {})}
     return {"environment": env, "bandwidth": machine_bandwidth(device),
             "settings": {**settings, "model": str(model)}, "results": results, "skipped": skipped}

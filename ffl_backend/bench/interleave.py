@@ -145,6 +145,8 @@ def _process_gb(cfg: dict) -> float:
     runtime, or a torch row's runtime and weights."""
     if cfg.get("backend") == "llamacpp" and cfg.get("gguf") and os.path.exists(cfg["gguf"]):
         return LLAMACPP_RUNTIME_GB + os.path.getsize(cfg["gguf"]) / 1e9
+    if cfg.get("onnx_dir"):  # ONNX Runtime holds the file's weights (prepacked: up to twice)
+        return LLAMACPP_RUNTIME_GB + 2 * cfg.get("weight_bytes", 0) / 1e9
     return RUNTIME_GB + _weights_gb(cfg)
 
 

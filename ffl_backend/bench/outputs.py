@@ -19,7 +19,8 @@ CSV_COLUMNS = (
     "weight_bytes", "effective_gbs", "ceiling_gbs", "pct_of_ceiling",
     "recompiles", "graphs_compiled_while_timed", "matching_prefix", "tokens_equal_eager", "rows_equal", "error",
 )
-BACKEND_COLORS = {"eager": "#9e9e9e", "inductor": "#1f77b4", "fastflow": "#ff7f0e", "llamacpp": "#2ca02c"}
+BACKEND_COLORS = {"eager": "#9e9e9e", "inductor": "#1f77b4", "fastflow": "#ff7f0e", "llamacpp": "#2ca02c",
+                  "onnxruntime": "#9467bd", "onnxruntime-genai": "#8c564b"}
 
 
 def _fmt(value, spec: str, none: str = "-") -> str:

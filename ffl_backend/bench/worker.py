@@ -13,13 +13,17 @@ import json
 import sys
 
 from .llamacpp import LlamaCppSession
+from .onnxruntime_rows import BACKENDS as ORT_BACKENDS
+from .onnxruntime_rows import OrtSession
 from .session import Session
 
 
 def open_session(cfg: dict) -> Session:
-    """The session for `cfg`'s backend: llama.cpp rows have their own (llamacpp.py)."""
+    """The session for `cfg`'s backend: llama.cpp and ONNX Runtime rows have their own."""
     if cfg["backend"] == "llamacpp":
         return LlamaCppSession(cfg)
+    if cfg["backend"] in ORT_BACKENDS:
+        return OrtSession(cfg)
     return Session(cfg)
 
 

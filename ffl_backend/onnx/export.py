@@ -126,7 +126,8 @@ def check_export(model, out: Path, prompt_len: int = 7, steps: int = 2) -> str:
         bound = max(bound, 1e-4 * (1.0 + float(ref.abs().max())))
         worst = max(worst, float((got - ref).abs().max()))
         step_ids = ref[:, -1:].argmax(-1)
-    line = f"ONNX export check: max |logits - PyTorch| = {worst:.3g} over a prompt and {steps} decode steps (tolerance {bound:.3g})"
+    line = (f"ONNX export check: max |logits - PyTorch| = {worst:.3g} over a prompt and {steps} decode steps "
+            f"(tolerance {bound:.3g})")
     if not worst <= bound:
         raise RuntimeError(line + ": the export does not compute the model")
     return line

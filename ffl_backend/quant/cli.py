@@ -41,6 +41,21 @@ def perplexity(model, ids: torch.Tensor, window: int = WINDOW, bos: int | None =
     return math.exp(total_nll / total)
 
 
+def onnxruntime_perplexity(model, ids: torch.Tensor, window: int, bos: int | None, torch_ppl: float) -> dict:
+    """The same perplexity through `model` exported to ONNX (a temporary folder) in ONNX Runtime."""
+    import tempfile
+
+    from ..onnx import OnnxCausalLM, export_onnx
+
+    with tempfile.TemporaryDirectory(prefix="ffl-onnx-ppl-") as folder:
+        start = time.perf_counter()
+        export_onnx(model, folder)
+        export_s = time.perf_counter() - start
+        ppl = perplexity(OnnxCausalLM(folder), ids, window, bos)
+    return {"onnxruntime_ppl": ppl, "onnxruntime_vs_torch_pct": round(100.0 * (ppl / torch_ppl - 1.0), 4),
+            "onnx_export_s": round(export_s, 1)}
+
+
 def kv_cache_rows(model, ids: torch.Tensor, window: int, bos: int | None, kv_cache_dtypes: list) -> list[dict]:
     """Perplexity with the KV cache stored as each of `kv_cache_dtypes` ("int8", "fp8"), next to the
     model's own dtype through the same path: fastflow attention over a static cache that each window
@@ -225,8 +240,13 @@ def eval_ppl_main(argv=None) -> int:
     parser.add_argument("--gptq", action="store_true",
                         help="int4/int8: GPTQ rounding calibrated on the --calib-tokens tokens after the evaluated "
                              f"ones (default {GPTQ_CALIB_TOKENS} with --gptq)")
+    parser.add_argument("--backend", choices=["torch", "onnxruntime"], default="torch",
+                        help="onnxruntime: also export each model (export_onnx, float32 only) and measure the same "
+                             "windows through ONNX Runtime, next to PyTorch's figure")
     parser.set_defaults(calib_tokens=None)  # 2048, or GPTQ_CALIB_TOKENS with --gptq
     args = parser.parse_args(argv)
+    if args.backend == "onnxruntime" and args.dtype != "float32":
+        parser.error("--backend onnxruntime needs --dtype float32 (ONNX Runtime's CPU kernels have no bfloat16)")
     calib_tokens = args.calib_tokens if args.calib_tokens is not None else (GPTQ_CALIB_TOKENS if args.gptq else 2048)
     from .quantizer import quantize
 
@@ -235,6 +255,8 @@ def eval_ppl_main(argv=None) -> int:
     eval_ids = ids[:args.max_tokens]
     calib = _calibration(ids, eval_ids.numel(), calib_tokens, args.window, bos) if calib_tokens else None
     results = [{"model": f"high precision ({args.dtype})", "ppl": perplexity(base, eval_ids, args.window, bos)}]
+    if args.backend == "onnxruntime":
+        results[0].update(onnxruntime_perplexity(base, eval_ids, args.window, bos, results[0]["ppl"]))
     if args.kv_cache_dtypes:
         results += kv_cache_rows(base, eval_ids, args.window, bos, args.kv_cache_dtypes)
     for scheme in args.schemes:
@@ -244,6 +266,8 @@ def eval_ppl_main(argv=None) -> int:
         results.append({"model": scheme + (" gptq" if args.gptq else ""), "ppl": ppl,
                         "seconds": round(time.perf_counter() - start, 1), "linears": _linear_counts(model)})
         results[-1].update(_mixed_summary(model))
+        if args.backend == "onnxruntime":
+            results[-1].update(onnxruntime_perplexity(model, eval_ids, args.window, bos, ppl))
         del model
     ref = results[0]["ppl"]
     print(f"{eval_ids.numel()} tokens, {args.window}-token windows" + (", each starting with BOS" if bos else ""))
@@ -252,7 +276,9 @@ def eval_ppl_main(argv=None) -> int:
         counts = ", ".join(f"{n} {k}" for k, n in r.get("linears", {}).items())
         print(f"{r['model']:<28} ppl {r['ppl']:8.3f}  ({r['delta_pct']:+.2f}%)"
               + (f"  top-1 = model-dtype cache: {r['top1_agreement_pct']}%" if "top1_agreement_pct" in r else "")
-              + (f"  linears: {counts}" if counts else "") + (f"  {r['bpw']} bits/weight" if "bpw" in r else ""))
+              + (f"  linears: {counts}" if counts else "") + (f"  {r['bpw']} bits/weight" if "bpw" in r else "")
+              + (f"  onnxruntime ppl {r['onnxruntime_ppl']:.3f} ({r['onnxruntime_vs_torch_pct']:+.3f}% of "
+                 f"PyTorch's)" if "onnxruntime_ppl" in r else ""))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"environment": environment(), "command": " ".join(["ffl-eval-ppl", *sys.argv[1:]]),
