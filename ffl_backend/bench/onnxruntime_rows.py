@@ -4,7 +4,10 @@ same interleaved rounds as the other rows.
 
 "onnxruntime" runs the folder through plain ONNX Runtime (onnx/runtime.py: one session.run per token,
 the KV cache handed from each step's outputs to the next inputs); "onnxruntime-genai" through ONNX
-Runtime GenAI's own generation loop on the same folder. ONNX Runtime's CPU kernels have no bfloat16,
+Runtime GenAI's own generation loop on the same folder. "onnxruntime-genai-builder" is the peer's own
+export: GenAI's model builder (`python -m onnxruntime_genai.models.builder`, offline on the same HF
+folder: GroupQueryAttention and its other fused ops, its own round-to-nearest int8/int4 with its CPU
+defaults: block 32, accuracy_level 4) in GenAI's loop. ONNX Runtime's CPU kernels have no bfloat16,
 so these rows run float32 (activations float32, weights float32 / int8 / int4) and bfloat16 rows are
 skipped. The parent (prepare) exports once per (model, quant) into the cache, tokenizes the prompt
 with the model's tokenizer (the ids the torch rows get) and fixes the thread count.
@@ -12,17 +15,19 @@ with the model's tokenizer (the ids the torch rows get) and fixes the thread cou
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
 from .session import Session, current_rss_mb, prompt_ids, summarize_runs
 
-BACKENDS = ("onnxruntime", "onnxruntime-genai")
+BACKENDS = ("onnxruntime", "onnxruntime-genai", "onnxruntime-genai-builder")
+BUILDER_PRECISION = {"none": "fp32", "int8": "int8", "int8-all": "int8", "int4": "int4", "int4-all": "int4"}
 QUANTS = ("none", "int8", "int8-all", "int4", "int4-all")
 
 
 def import_error(backend: str) -> str | None:
-    module = "onnxruntime_genai" if backend == "onnxruntime-genai" else "onnxruntime"
+    module = "onnxruntime_genai" if backend.startswith("onnxruntime-genai") else "onnxruntime"
     try:
         __import__(module)
         __import__("onnxscript")
@@ -45,31 +50,51 @@ def skip_reason(cfg: dict) -> str | None:
     return None
 
 
-def export_dir(model: str, quant: str) -> Path:
+def export_dir(model: str, quant: str, backend: str = "onnxruntime") -> Path:
     from importlib.metadata import version
 
     from ..paths import cache_dir
 
-    name = f"{Path(model.rstrip('/')).name}-{quant}-v{version('ffl_backend')}"
-    return Path(cache_dir()) / "onnx" / name
+    exporter = "genai-builder" if backend == "onnxruntime-genai-builder" else f"v{version('ffl_backend')}"
+    return Path(cache_dir()) / "onnx" / f"{Path(model.rstrip('/')).name}-{quant}-{exporter}"
 
 
-def prepare(cfgs: list[dict], log=print) -> None:
-    """Parent-side: export each (model, quant) once (cached), prompt ids, weight bytes, threads."""
+def _export(cfg: dict, folder: Path, log) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from ..onnx import export_onnx
 
+    log(f"  exporting {Path(cfg['model']).name} ({cfg['quant']}) to ONNX for ONNX Runtime (once; cached)")
+    model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32).eval()
+    quant = None if cfg["quant"] == "none" else cfg["quant"]
+    export_onnx(model, folder, quant=quant, tokenizer=AutoTokenizer.from_pretrained(cfg["model"]))
+
+
+def _build_with_genai(cfg: dict, folder: Path, log) -> None:
+    """GenAI's own model builder on the same HF folder, offline."""
+    import subprocess
+    import sys
+    import tempfile
+
+    log(f"  building {Path(cfg['model']).name} ({cfg['quant']}) with ONNX Runtime GenAI's builder (once; cached)")
+    with tempfile.TemporaryDirectory(prefix="ffl-genai-builder-") as scratch:
+        subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", cfg["model"], "-o", str(folder),
+                        "-p", BUILDER_PRECISION[cfg["quant"]], "-e", "cpu", "-c", scratch,
+                        "--extra_options", "hf_token=false"],
+                       check=True, capture_output=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+
+
+def prepare(cfgs: list[dict], log=print) -> None:
+    """Parent-side: export each (model, quant) once (cached), prompt ids, weight bytes, threads."""
+    import torch
+    from transformers import AutoTokenizer
+
     tokenizers = {}
     for cfg in cfgs:
-        folder = export_dir(cfg["model"], cfg["quant"])
+        folder = export_dir(cfg["model"], cfg["quant"], cfg["backend"])
         if not (folder / "genai_config.json").exists():
-            log(f"  exporting {Path(cfg['model']).name} ({cfg['quant']}) to ONNX for ONNX Runtime (once; cached)")
-            model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=torch.float32).eval()
-            quant = None if cfg["quant"] == "none" else cfg["quant"]
-            export_onnx(model, folder, quant=quant, tokenizer=AutoTokenizer.from_pretrained(cfg["model"]))
-            del model
+            (_build_with_genai if cfg["backend"] == "onnxruntime-genai-builder" else _export)(cfg, folder, log)
         if cfg["model"] not in tokenizers:
             tokenizers[cfg["model"]] = AutoTokenizer.from_pretrained(cfg["model"])
         ids = prompt_ids(tokenizers[cfg["model"]], cfg["prompt_len"], cfg.get("text"))[0].tolist()
@@ -97,14 +122,12 @@ class OrtSession(Session):
         self.cfg = cfg
         self.runtime_rss_mb = current_rss_mb()
         t0 = time.perf_counter()
-        if cfg["backend"] == "onnxruntime-genai":
-            self.runner = _GenAIRunner(cfg["onnx_dir"], cfg["threads"])
-        else:
-            self.runner = _OrtRunner(cfg["onnx_dir"], cfg["threads"])
+        runner = _GenAIRunner if cfg["backend"].startswith("onnxruntime-genai") else _OrtRunner
+        self.model = runner(cfg["onnx_dir"], cfg["threads"])  # no torch model: no fastflow cache to report
         self.warm_up(load_s=time.perf_counter() - t0, quantize_s=0.0)  # quantized when exported
 
     def generate(self) -> dict:
-        return self.runner.time_generate(self.cfg["prompt_ids"], self.cfg["new_tokens"])
+        return self.model.time_generate(self.cfg["prompt_ids"], self.cfg["new_tokens"])
 
     def measure(self) -> dict:
         return {**summarize_runs(self.cfg, self.first, self.runs, self.cfg["weight_bytes"], recompiles=0,

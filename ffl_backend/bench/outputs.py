@@ -20,7 +20,7 @@ CSV_COLUMNS = (
     "recompiles", "graphs_compiled_while_timed", "matching_prefix", "tokens_equal_eager", "rows_equal", "error",
 )
 BACKEND_COLORS = {"eager": "#9e9e9e", "inductor": "#1f77b4", "fastflow": "#ff7f0e", "llamacpp": "#2ca02c",
-                  "onnxruntime": "#9467bd", "onnxruntime-genai": "#8c564b"}
+                  "onnxruntime": "#9467bd", "onnxruntime-genai": "#8c564b", "onnxruntime-genai-builder": "#e377c2"}
 
 
 def _fmt(value, spec: str, none: str = "-") -> str:

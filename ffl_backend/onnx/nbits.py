@@ -2,10 +2,17 @@
 model's own codes, scales and zero points (no re-quantization).
 
 MatMulNBits computes x @ W.T with W[n, k] = (B[n, k] - zero[n, k // block]) * scale[n, k // block],
-B packed along k (two 4-bit codes per byte, even k in the low nibble, as numerics.pack_int4), one
-block of `block_size` inputs per scale. int4 keeps fastflow's group as the block and its fractional
-zero points as float zero points; int8's per-row scale repeats over the row's blocks with codes
-offset by 128 and zero point 128, so both dequantize to exactly fastflow's weights.
+B packed along k (two 4-bit codes per byte, even k in the low nibble, as numerics.pack_int4).
+ONNX Runtime's CPU kernels are fast only with uint8 zero points and `accuracy_level` 4 (activations
+quantized to int8 per block, as llama.cpp does for Q4_0/Q8_0); float zero points, and 8-bit weights
+at levels 0/1, dequantize the whole matrix on every call (15-40x slower, benchmarks/results/
+onnx_matmul_nbits_cpu_amd_epyc.json). So:
+- int8: codes + 128 with zero point 128, the row's scale repeated over its blocks;
+- int4: fastflow's fractional zero point z splits into its nearest integer (the uint8 zero point)
+  and a residual r = z - round(z); W = (q - round(z)) * s - r * s, and the residual part is
+  x's per-group sums times (r * s), one small float matmul beside MatMulNBits.
+Both dequantize to exactly fastflow's weights. The torch reference below also models level 4's
+activation rounding, so the export check compares like with like.
 """
 from __future__ import annotations
 
@@ -14,18 +21,23 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
-from ..numerics import unpack_int4
+from ..numerics import pack_int4, unpack_int4
 from ..quant.modules import Fp8Linear, Int4Linear, Int8Linear, W8A8Linear
 
 BLOCK_SIZES = (128, 64, 32, 16)  # MatMulNBits: a power of two >= 16
+INT8_BLOCK = 32  # int8 rows have one scale: the block only sets level 4's activation blocks (llama.cpp's 32)
+INT8_ACTIVATIONS = 4  # accuracy_level that quantizes activations to int8
 
 
 @torch.library.custom_op("fastflow_onnx::matmul_nbits", mutates_args=())
 def matmul_nbits(x: Tensor, b: Tensor, scales: Tensor, zeros: Tensor, bias: Tensor | None, k: int, n: int,
                  bits: int, block_size: int, accuracy_level: int) -> Tensor:
     """Reference of MatMulNBits (torch side of the export; ONNX Runtime runs its own kernel)."""
-    w = dequantize(b, scales, zeros, k, n, bits, block_size).to(x.dtype)
-    return torch.nn.functional.linear(x, w, bias)
+    w = dequantize(b, scales, zeros, k, n, bits, block_size)
+    xf = x.float()
+    if accuracy_level == INT8_ACTIVATIONS:
+        xf = round_activations(xf, block_size)
+    return torch.nn.functional.linear(xf, w, None if bias is None else bias.float()).to(x.dtype)
 
 
 @matmul_nbits.register_fake
@@ -33,12 +45,23 @@ def _(x, b, scales, zeros, bias, k, n, bits, block_size, accuracy_level):
     return x.new_empty(*x.shape[:-1], n)
 
 
+def round_activations(x: Tensor, block_size: int) -> Tensor:
+    """x as level 4 sees it: symmetric int8 per block of `block_size` inputs, scale = absmax / 127."""
+    k = x.shape[-1]
+    padded = torch.nn.functional.pad(x, (0, -k % block_size))
+    blocks = padded.reshape(*x.shape[:-1], -1, block_size)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127.0
+    codes = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1.0)), 0.0)
+    return (codes * scale).reshape(padded.shape)[..., :k]
+
+
 def dequantize(b: Tensor, scales: Tensor, zeros: Tensor, k: int, n: int, bits: int, block_size: int) -> Tensor:
-    """(N, K) fp32 weights from MatMulNBits' inputs."""
-    codes = unpack_int4(b.reshape(n, -1)) if bits == 4 else b.reshape(n, -1)
+    """(N, K) fp32 weights from MatMulNBits' inputs (uint8 zero points: packed like B)."""
     blocks = scales.numel() // n
-    z = zeros.float() if zeros.dtype.is_floating_point else zeros.to(torch.float32)
-    w = (codes.float().reshape(n, blocks, block_size) - z.reshape(n, blocks, 1)) * scales.float().reshape(n, blocks, 1)
+    codes = unpack_int4(b.reshape(n, -1)) if bits == 4 else b.reshape(n, -1)
+    z = unpack_int4(zeros.reshape(n, -1))[:, :blocks] if bits == 4 else zeros.reshape(n, blocks)
+    shape = (n, blocks, 1)
+    w = (codes.float().reshape(n, blocks, block_size) - z.float().reshape(shape)) * scales.float().reshape(shape)
     return w.reshape(n, -1)[:, :k]
 
 
@@ -47,24 +70,28 @@ def block_size_for(in_features: int) -> int:
 
 
 def int4_inputs(m: Int4Linear) -> dict | None:
-    """MatMulNBits inputs of an int4 layer, or None where its group is no valid block size."""
+    """MatMulNBits inputs of an int4 layer and its zero-point residual (None where none is left),
+    or None where its group is no valid block size."""
     g = m.group_size
     if g < 16 or g & (g - 1):
         return None
     n, k = m.out_features, m.in_features
-    packed = m.portable_qweight().reshape(n, k // g, g // 2).contiguous()
-    return dict(b=packed, scales=m.scale.float().reshape(-1).contiguous(),
-                zeros=m.zero.float().reshape(-1).contiguous(), bits=4, block_size=g)
+    zero = m.zero.float()
+    whole = torch.round(zero).clamp(0, 15)
+    residual = (zero - whole) * m.scale.float()
+    packed_zero = pack_int4(torch.nn.functional.pad(whole, (0, (k // g) % 2)).to(torch.uint8))
+    return dict(b=m.portable_qweight().reshape(n, k // g, g // 2).contiguous(),
+                scales=m.scale.float().contiguous(), zeros=packed_zero.contiguous(), bits=4, block_size=g,
+                residual=residual.t().contiguous() if residual.any() else None)
 
 
 def int8_inputs(m: Int8Linear) -> dict:
     n, k = m.out_features, m.in_features
-    block = block_size_for(k)
-    blocks = -(-k // block)
-    codes = torch.zeros(n, blocks * block, dtype=torch.uint8)
+    blocks = -(-k // INT8_BLOCK)
+    codes = torch.zeros(n, blocks * INT8_BLOCK, dtype=torch.uint8)
     codes[:, :k] = (m.qweight.to(torch.int16) + 128).to(torch.uint8)
-    return dict(b=codes.reshape(n, blocks, block), scales=m.scale.float().repeat_interleave(blocks).contiguous(),
-                zeros=torch.full((n * blocks,), 128, dtype=torch.uint8), bits=8, block_size=block)
+    return dict(b=codes.reshape(n, blocks, INT8_BLOCK), scales=m.scale.float()[:, None].expand(n, blocks).contiguous(),
+                zeros=torch.full((n, blocks), 128, dtype=torch.uint8), bits=8, block_size=INT8_BLOCK, residual=None)
 
 
 class NBitsLinear(nn.Module):
@@ -74,14 +101,18 @@ class NBitsLinear(nn.Module):
         super().__init__()
         self.k, self.n = source.in_features, source.out_features
         self.bits, self.block_size, self.accuracy_level = inputs["bits"], inputs["block_size"], accuracy_level
-        for name in ("b", "scales", "zeros"):
+        for name in ("b", "scales", "zeros", "residual"):
             self.register_buffer(name, inputs[name])
         bias = source.bias
         self.register_buffer("bias", None if bias is None else bias.float())
 
     def forward(self, x: Tensor) -> Tensor:
-        y = matmul_nbits(x.float(), self.b, self.scales, self.zeros, self.bias, self.k, self.n, self.bits,
+        xf = x.float()
+        y = matmul_nbits(xf, self.b, self.scales, self.zeros, self.bias, self.k, self.n, self.bits,
                          self.block_size, self.accuracy_level)
+        if self.residual is not None:  # the zero points' fractional part: x's group sums @ (r * s)
+            groups = self.residual.shape[0]
+            y = y - xf.reshape(*xf.shape[:-1], groups, self.k // groups).sum(-1) @ self.residual
         return y.to(x.dtype)
 
 
@@ -100,7 +131,7 @@ def nbits_module(m: nn.Module, accuracy_level: int) -> nn.Module | None:
 
 
 @contextlib.contextmanager
-def as_matmul_nbits(model: nn.Module, accuracy_level: int = 0):
+def as_matmul_nbits(model: nn.Module, accuracy_level: int = INT8_ACTIVATIONS):
     """Within the block, `model`'s int8/int4 linears are NBitsLinear modules; restored after."""
     swapped = []
     for parent in list(model.modules()):
