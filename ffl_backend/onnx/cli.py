@@ -37,12 +37,20 @@ def _load(name: str):
 
     if name in BUNDLED:
         return BUNDLED[name].load(dtype=torch.float32)
-    return AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval(), AutoTokenizer.from_pretrained(name)
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32).eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name)
+    except (OSError, ValueError, TypeError) as exc:  # export_onnx copies the folder's tokenizer files instead
+        logging.getLogger("ffl_backend.onnx").warning("no tokenizer loaded from %s (%s)", name, exc)
+        tokenizer = None
+    return model, tokenizer
 
 
 def _calibration(tokenizer, path: str | None, rows: int = 8, length: int = 512):
     if path is None:
         return None
+    if tokenizer is None:
+        raise SystemExit(f"{PROG}: --calibration-text needs the model's tokenizer")
     with open(path, encoding="utf-8") as fh:
         ids = tokenizer(fh.read(), return_tensors="pt").input_ids[0]
     return [ids[i:i + length][None] for i in range(0, min(len(ids), rows * length), length)]

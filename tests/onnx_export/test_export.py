@@ -1,0 +1,113 @@
+"""export_onnx on tiny models of every architecture: ONNX Runtime's greedy tokens equal PyTorch eager's,
+sliding windows are honoured, quantized exports are fastflow's quantized model, ONNX Runtime GenAI
+loads the folder unchanged, and what cannot be exported says why before any work."""
+import json
+import types
+
+import pytest
+import torch
+
+from tests.tiny_models import ARCHS, VOCAB, sliding_model, tiny_model
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+from ffl_backend.onnx import OnnxCausalLM, export_onnx  # noqa: E402
+
+NEW_TOKENS = 32
+
+
+def greedy_reference(model, ids, new_tokens=NEW_TOKENS):
+    """HF generate, greedy; EOS stops it as it stops OnnxCausalLM.generate."""
+    with torch.no_grad():
+        return model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+
+
+def prompt(length=9, seed=0):
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def onnx_greedy(folder, ids, model):
+    return OnnxCausalLM(folder).generate(ids, NEW_TOKENS, eos_token_id=model.generation_config.eos_token_id)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_exports_and_generates_eagers_tokens(arch, tmp_path):
+    model = tiny_model(arch)
+    export_onnx(model, tmp_path)
+    config = json.loads((tmp_path / "genai_config.json").read_text())
+    assert config["search"]["past_present_share_buffer"] is False
+    for seed, length in ((0, 9), (1, 1)):  # a one-token prompt too: every dimension of the trace was > 1
+        ids = prompt(length, seed)
+        assert torch.equal(onnx_greedy(tmp_path, ids, model), greedy_reference(model, ids)), (arch, length)
+
+
+def test_sliding_window_is_honoured(tmp_path):
+    """Gemma-2's layout (sliding and global layers alternate); the real Gemma-3 in test_real_models."""
+    model = sliding_model("gemma2", window=6)
+    export_onnx(model, tmp_path)
+    ids = prompt(12)
+    assert torch.equal(onnx_greedy(tmp_path, ids, model), greedy_reference(model, ids))
+    logits = OnnxCausalLM(tmp_path).logits(ids)
+    model.config.sliding_window = 4096  # the same weights without the window: other logits
+    with torch.no_grad():
+        unwindowed = model(ids).logits
+    assert (logits[0, -1] - unwindowed[0, -1]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("quant", ["int4", "int8-all"])
+def test_quantized_export_is_fastflows_quantized_model(quant, tmp_path):
+    """Float activations (level 0): the export computes exactly fastflow's weights; the default level 4
+    (int8 activations) is checked by export_onnx itself against the same rounding in PyTorch (the
+    GenAI test below exports that way)."""
+    model = tiny_model("qwen2")
+    export_onnx(model, tmp_path, quant=quant, accuracy_level=0)
+    import onnx
+
+    ops = {node.op_type for node in onnx.load(tmp_path / "model.onnx").graph.node}
+    assert "MatMulNBits" in ops
+    for seed in range(2):
+        ids = prompt(9, seed)
+        assert torch.equal(onnx_greedy(tmp_path, ids, model), greedy_reference(model, ids))
+
+
+def test_cli_export_loads_in_onnxruntime_genai_with_the_same_tokens(tmp_path):
+    """ffl-export-onnx --quant int4 (accuracy level 4, checked), then GenAI on the folder unchanged."""
+    og = pytest.importorskip("onnxruntime_genai")
+    from ffl_backend.onnx.cli import main
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "hf")
+    (tmp_path / "hf" / "tokenizer_config.json").write_text("{}")
+    out = tmp_path / "out"
+    assert main([str(tmp_path / "hf"), str(out), "--quant", "int4"]) == 0
+    written = {p.name for p in out.iterdir()}
+    assert {"model.onnx", "config.json", "genai_config.json", "tokenizer_config.json"} <= written
+    assert main([str(tmp_path / "hf"), str(tmp_path / "fp8"), "--quant", "fp8"]) == 2
+    genai = og.Model(str(out))
+    plain = OnnxCausalLM(out)
+    for seed in range(3):
+        ids = prompt(9, seed)
+        params = og.GeneratorParams(genai)
+        params.set_search_options(do_sample=False, max_length=ids.shape[1] + NEW_TOKENS)
+        generator = og.Generator(genai, params)
+        generator.append_tokens(ids.numpy().astype("int32"))
+        while not generator.is_done():
+            generator.generate_next_token()
+        tokens = torch.tensor([int(t) for t in generator.get_sequence(0)])
+        expected = plain.generate(ids, NEW_TOKENS, eos_token_id=model.generation_config.eos_token_id)[0]
+        if expected[-1] == model.generation_config.eos_token_id:
+            expected = expected[:-1]  # GenAI's sequence ends before the EOS it stopped at
+        assert torch.equal(tokens, expected), seed
+
+
+def test_what_cannot_be_exported_says_why_before_any_work(tmp_path):
+    unknown = types.SimpleNamespace(config=types.SimpleNamespace(model_type="mamba"))
+    with pytest.raises(ValueError, match="cannot export to ONNX: model_type 'mamba'") as info:
+        export_onnx(unknown, tmp_path)
+    assert "\n" not in str(info.value)
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="no ONNX Runtime weight format"):
+        export_onnx(model, tmp_path, quant="w8a8")
+    with pytest.raises(ValueError, match="float32"):
+        export_onnx(tiny_model("llama", dtype=torch.bfloat16), tmp_path)
+    assert list(tmp_path.iterdir()) == []
