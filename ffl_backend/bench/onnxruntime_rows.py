@@ -51,11 +51,10 @@ def skip_reason(cfg: dict) -> str | None:
 
 
 def export_dir(model: str, quant: str, backend: str = "onnxruntime") -> Path:
-    from importlib.metadata import version
-
+    from ..onnx.export import FORMAT_VERSION
     from ..paths import cache_dir
 
-    exporter = "genai-builder" if backend == "onnxruntime-genai-builder" else f"v{version('ffl_backend')}"
+    exporter = "genai-builder" if backend == "onnxruntime-genai-builder" else f"fastflow{FORMAT_VERSION}"
     return Path(cache_dir()) / "onnx" / f"{Path(model.rstrip('/')).name}-{quant}-{exporter}"
 
 

@@ -49,22 +49,25 @@ def speedup(r: dict, baseline: str = "inductor") -> float | None:
 
 
 def table(grid: dict) -> str:
-    """A markdown table (also what the terminal shows)."""
-    llama = any(r.get("backend") == "llamacpp" for r in grid["results"])
-    rows = ["| configuration | decode tok/s median (min-max) | vs inductor | " + ("vs llama.cpp | " if llama else "")
+    """A markdown table (also what the terminal shows); a "vs" column per peer present (llama.cpp,
+    ONNX Runtime)."""
+    peers = [(name, title) for name, title in (("llamacpp", "vs llama.cpp"), ("onnxruntime", "vs onnxruntime"))
+             if any(r.get("backend") == name for r in grid["results"])]
+    columns = 12 + len(peers)
+    rows = ["| configuration | decode tok/s median (min-max) | vs inductor | " + "".join(f"{t} | " for _, t in peers)
             + "TTFT ms | prefill tok/s | compile s cold / warm | load s | peak RSS MB (above runtime) | "
             "KV cache MiB | weights GB/s (% of ceiling) | recompiles | tokens = eager |",
-            "|---" * (13 if llama else 12) + "|"]
+            "|---" * columns + "|"]
     for r in grid["results"]:
         name = label(r) if "quant" in r else f"{r['dtype']} {r['backend']}"
         if "error" in r:
-            rows.append(f"| {name} | error: {r['error']} |" + " |" * (11 if llama else 10))
+            rows.append(f"| {name} | error: {r['error']} |" + " |" * (columns - 2))
             continue
-        vs_llama = f"{_times(speedup(r, 'llamacpp'))} | " if llama else ""
+        vs_peers = "".join(f"{_times(speedup(r, peer))} | " for peer, _ in peers)
         spread = (f" ({r['decode_tok_s_min']:.1f}-{r['decode_tok_s_max']:.1f})"
                   if "decode_tok_s_min" in r else "")
         rows.append(
-            f"| {name} | {r['decode_tok_s']:.1f}{spread} | {_times(speedup(r))} | {vs_llama}"
+            f"| {name} | {r['decode_tok_s']:.1f}{spread} | {_times(speedup(r))} | {vs_peers}"
             f"{1000 * r['ttft_s']:.0f} | {_fmt(r.get('prefill_tok_s'), '.0f')} | "
             f"{_fmt(r.get('compile_cold_s', r.get('first_generate_s')), '.1f')} / "
             f"{_fmt(r.get('compile_warm_s'), '.1f')} | {_fmt(r.get('load_s'), '.1f')} | "
@@ -73,6 +76,16 @@ def table(grid: dict) -> str:
             f"({_fmt(r.get('pct_of_ceiling'), '.0f')}%) | {_fmt(r.get('recompiles'), 'd')} | "
             f"{_agreement_cell(r)} |")
     return "\n".join(rows)
+
+
+def _onnxruntime_note(info: dict) -> str:
+    versions = ", ".join(f"{name} {v}" for name, v in info.items() if v)
+    return (f"*onnxruntime* rows ({versions}): the model exported by `ffl_backend.onnx.export_onnx` (float32; "
+            "int8/int4 layers as MatMulNBits from fastflow's own codes, accuracy_level 4 = int8 activations; "
+            "onnxscript's ORT fusions) in plain ONNX Runtime, one session.run per token; *onnxruntime-genai-builder*: "
+            "ONNX Runtime GenAI's own model builder on the same HF folder (its round-to-nearest int8/int4, block 32, "
+            "accuracy_level 4, GroupQueryAttention) in GenAI's loop. *vs onnxruntime*: fastflow against the "
+            "onnxruntime row of the same quantization (float32 there: no bf16 on ONNX Runtime's CPU).")
 
 
 def _isa_note(isa: dict | None) -> str:
@@ -106,6 +119,8 @@ def header(grid: dict) -> str:
                 "padding before them), *tokens = eager* compares row 0." if st.get("left_pad") else "")]
     if "llama_cpp" in env:
         lines.append(_llama_cpp_note(env["llama_cpp"]))
+    if "onnxruntime" in env:
+        lines.append(_onnxruntime_note(env["onnxruntime"]))
     lines += [f"{label(r)}: one all-reduce of a decode step's hidden states {r['allreduce_us']:.0f} us (mean of a "
               f"loop of 200 after the timed runs), {r['allreduce_per_step']} per step: "
               f"~{r['allreduce_share_pct']:.0f}% of a decode step."

@@ -20,6 +20,8 @@ from .genai import write_genai_config
 logger = logging.getLogger("ffl_backend.onnx")
 
 MODEL_FILE = "model.onnx"
+# Bumped whenever the graph written for the same model changes: cached exports (ffl-bench) key on it.
+FORMAT_VERSION = 2
 EXTERNAL_DATA_ABOVE = 1 << 30  # bytes of weights beyond which they go to model.onnx.data (protobuf caps at 2 GB)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "chat_template.jinja", "added_tokens.json")

@@ -41,7 +41,8 @@ def perplexity(model, ids: torch.Tensor, window: int = WINDOW, bos: int | None =
     return math.exp(total_nll / total)
 
 
-def onnxruntime_perplexity(model, ids: torch.Tensor, window: int, bos: int | None, torch_ppl: float) -> dict:
+def onnxruntime_perplexity(model, ids: torch.Tensor, window: int, bos: int | None, torch_ppl: float,
+                           accuracy_level: int = 4) -> dict:
     """The same perplexity through `model` exported to ONNX (a temporary folder) in ONNX Runtime."""
     import tempfile
 
@@ -49,11 +50,11 @@ def onnxruntime_perplexity(model, ids: torch.Tensor, window: int, bos: int | Non
 
     with tempfile.TemporaryDirectory(prefix="ffl-onnx-ppl-") as folder:
         start = time.perf_counter()
-        export_onnx(model, folder)
+        export_onnx(model, folder, accuracy_level=accuracy_level)
         export_s = time.perf_counter() - start
         ppl = perplexity(OnnxCausalLM(folder), ids, window, bos)
     return {"onnxruntime_ppl": ppl, "onnxruntime_vs_torch_pct": round(100.0 * (ppl / torch_ppl - 1.0), 4),
-            "onnx_export_s": round(export_s, 1)}
+            "onnx_export_s": round(export_s, 1), "onnx_accuracy_level": accuracy_level}
 
 
 def kv_cache_rows(model, ids: torch.Tensor, window: int, bos: int | None, kv_cache_dtypes: list) -> list[dict]:
@@ -243,6 +244,8 @@ def eval_ppl_main(argv=None) -> int:
     parser.add_argument("--backend", choices=["torch", "onnxruntime"], default="torch",
                         help="onnxruntime: also export each model (export_onnx, float32 only) and measure the same "
                              "windows through ONNX Runtime, next to PyTorch's figure")
+    parser.add_argument("--onnx-accuracy-level", type=int, default=4, choices=[0, 1, 4],
+                        help="MatMulNBits' accuracy_level of the exports (4: int8 activations, the default)")
     parser.set_defaults(calib_tokens=None)  # 2048, or GPTQ_CALIB_TOKENS with --gptq
     args = parser.parse_args(argv)
     if args.backend == "onnxruntime" and args.dtype != "float32":
@@ -256,7 +259,8 @@ def eval_ppl_main(argv=None) -> int:
     calib = _calibration(ids, eval_ids.numel(), calib_tokens, args.window, bos) if calib_tokens else None
     results = [{"model": f"high precision ({args.dtype})", "ppl": perplexity(base, eval_ids, args.window, bos)}]
     if args.backend == "onnxruntime":
-        results[0].update(onnxruntime_perplexity(base, eval_ids, args.window, bos, results[0]["ppl"]))
+        results[0].update(onnxruntime_perplexity(base, eval_ids, args.window, bos, results[0]["ppl"],
+                                                 args.onnx_accuracy_level))
     if args.kv_cache_dtypes:
         results += kv_cache_rows(base, eval_ids, args.window, bos, args.kv_cache_dtypes)
     for scheme in args.schemes:
@@ -267,7 +271,8 @@ def eval_ppl_main(argv=None) -> int:
                         "seconds": round(time.perf_counter() - start, 1), "linears": _linear_counts(model)})
         results[-1].update(_mixed_summary(model))
         if args.backend == "onnxruntime":
-            results[-1].update(onnxruntime_perplexity(model, eval_ids, args.window, bos, ppl))
+            results[-1].update(onnxruntime_perplexity(model, eval_ids, args.window, bos, ppl,
+                                                         args.onnx_accuracy_level))
         del model
     ref = results[0]["ppl"]
     print(f"{eval_ids.numel()} tokens, {args.window}-token windows" + (", each starting with BOS" if bos else ""))
