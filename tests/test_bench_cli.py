@@ -421,3 +421,40 @@ def test_worker_command_and_rank_errors():
     stderr = ("[rank1]: Traceback (most recent call last):\n[rank1]: ValueError: heads=9 does not divide by 2\n"
               "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n=====\n")
     assert error_line(stderr) == "ValueError: heads=9 does not divide by 2"
+
+
+def test_onnxruntime_rows_time_the_export_beside_eager(tiny_folder, tmp_path, monkeypatch):
+    """The export is written once into the cache (FFL_CACHE_DIR), timed in the same rounds, its tokens
+    compared with eager's; bfloat16 rows are skipped in one line (ONNX Runtime's CPU has no bf16)."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("onnxscript")
+    monkeypatch.setenv("FFL_CACHE_DIR", str(tmp_path / "cache"))
+    out = tmp_path / "ort"
+    proc = _bench("--model", str(tiny_folder), "--backends", "eager", "onnxruntime", "--dtypes", "float32",
+                  "bfloat16", "--prompt-lens", "8", "--new-tokens", "6", "--repeats", "2", "--threads", "1",
+                  "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ONNX Runtime's CPU kernels have no bfloat16" in proc.stdout + proc.stderr
+    grid = json.loads(out.with_suffix(".json").read_text())
+    ort_row = next(r for r in grid["results"] if r["backend"] == "onnxruntime")
+    assert RESULT_KEYS <= set(ort_row) and ort_row["dtype"] == "float32" and ort_row["tokens_equal_eager"]
+    assert grid["environment"]["onnxruntime"]["onnxruntime"]
+    assert list((tmp_path / "cache" / "onnx").iterdir())  # the cached export
+
+
+def test_fastflow_rows_are_compared_with_the_onnxruntime_row_of_their_scheme():
+    from ffl_backend.bench.grid import speedups
+    from ffl_backend.bench.outputs import table
+
+    def row(backend, dtype, quant, rates):
+        return {"backend": backend, "dtype": dtype, "quant": quant, "batch": 1, "prompt_len": 16, "new_tokens": 4,
+                "decode_tok_s": statistics.median(rates), "decode_tok_s_all": rates, "ttft_s": 0.01,
+                "peak_rss_mb": 1.0, "tokens": [1]}
+    results = [row("onnxruntime", "float32", "int4-all", [50.0, 40.0, 60.0]),
+               row("fastflow", "bfloat16", "int4-all", [100.0, 100.0, 90.0]),
+               row("fastflow", "bfloat16", "int8-all", [80.0, 80.0, 80.0])]
+    speedups(results, paired=True)
+    assert results[1]["speedup_vs_onnxruntime_paired"] == pytest.approx(2.0)  # median of 2.0, 2.5, 1.5
+    assert "speedup_vs_onnxruntime" not in results[2]  # no onnxruntime row of int8-all
+    grid = {"results": results}
+    assert "| vs onnxruntime |" in table(grid) and "| 2.00x |" in table(grid)
