@@ -33,6 +33,7 @@ __all__ = [
     "load_quantized",
     "QuantConfig",
     "OptimizedInferenceEngine",
+    "export_onnx",
 ]
 
 _LAZY = {
@@ -60,6 +61,7 @@ _LAZY = {
     "load_quantized": "quant.serialization",
     "QuantConfig": "quant.schemes",
     "OptimizedInferenceEngine": "engine.engine",
+    "export_onnx": "onnx.export",
 }
 
 
