@@ -13,7 +13,7 @@ from torch import nn
 
 # Architectures whose HF forward exports with this wrapper (checked by tests/onnx on tiny models).
 EXPORTABLE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3", "gpt2",
-              "gpt_neox", "smollm3", "gemma3")
+              "gpt_neox", "gemma3")
 
 
 def text_config(config):

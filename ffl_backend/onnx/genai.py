@@ -12,8 +12,7 @@ from . import decoder
 
 # GenAI's C++ model class by HF model_type; types it lacks run its generic decoder path.
 GENAI_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
-               "gemma2": "gemma2", "gemma3_text": "gemma3_text", "gemma3": "gemma3_text", "phi3": "phi3",
-               "smollm3": "smollm3"}
+               "gemma2": "gemma2", "gemma3_text": "gemma3_text", "gemma3": "gemma3_text", "phi3": "phi3"}
 
 
 def genai_config(config, max_seq_len: int | None = None) -> dict:

@@ -5,8 +5,8 @@ MatMulNBits computes x @ W.T with W[n, k] = (B[n, k] - zero[n, k // block]) * sc
 B packed along k (two 4-bit codes per byte, even k in the low nibble, as numerics.pack_int4).
 ONNX Runtime's CPU kernels are fast only with uint8 zero points and `accuracy_level` 4 (activations
 quantized to int8 per block, as llama.cpp does for Q4_0/Q8_0); float zero points, and 8-bit weights
-at levels 0/1, dequantize the whole matrix on every call (15-40x slower, benchmarks/results/
-onnx_matmul_nbits_cpu_amd_epyc.json). So:
+at levels 0/1, dequantize the whole matrix on every call (docs/onnx.md, benchmarks/onnx_matmul_nbits.py).
+So:
 - int8: codes + 128 with zero point 128, the row's scale repeated over its blocks;
 - int4: fastflow's fractional zero point z splits into its nearest integer (the uint8 zero point)
   and a residual r = z - round(z); W = (q - round(z)) * s - r * s, and the residual part is

@@ -2,8 +2,8 @@
 (for perplexity), with the KV cache handed from each step's outputs to the next step's inputs."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -70,17 +70,25 @@ class OnnxCausalLM:
 
     def __call__(self, input_ids, **_):
         """model(ids).logits as perplexity loops call it."""
-        class _Out:
-            pass
+        return SimpleNamespace(logits=self.logits(input_ids))
 
-        out = _Out()
-        out.logits = self.logits(input_ids)
-        return out
+
+def genai_greedy(folder, input_ids, max_new_tokens: int) -> list[int]:
+    """Prompt + greedy tokens from ONNX Runtime GenAI's own loop on an exported folder (its sequence
+    stops before an EOS token, where OnnxCausalLM.generate keeps it)."""
+    import onnxruntime_genai as og
+
+    ids = _numpy(input_ids).reshape(1, -1)
+    model = og.Model(str(folder))
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=ids.shape[1] + max_new_tokens)
+    generator = og.Generator(model, params)
+    generator.append_tokens(ids.astype(np.int32))
+    while not generator.is_done():
+        generator.generate_next_token()
+    return [int(t) for t in generator.get_sequence(0)]
 
 
 def _numpy(x):
     return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
 
-
-def read_genai_config(folder) -> dict:
-    return json.loads((Path(folder) / "genai_config.json").read_text())

@@ -4,23 +4,13 @@ import pytest
 import torch
 
 pytest.importorskip("onnxruntime")
-og = pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("onnxruntime_genai")
 from ffl_backend.onnx import OnnxCausalLM, export_onnx  # noqa: E402
+from ffl_backend.onnx.runtime import genai_greedy  # noqa: E402
 
 pytestmark = pytest.mark.slow
 PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
 NEW_TOKENS = 32
-
-
-def genai_tokens(folder, ids) -> list[int]:
-    model = og.Model(str(folder))
-    params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=ids.shape[1] + NEW_TOKENS)
-    generator = og.Generator(model, params)
-    generator.append_tokens(ids.numpy().astype("int32"))
-    while not generator.is_done():
-        generator.generate_next_token()
-    return [int(t) for t in generator.get_sequence(0)]
 
 
 def without_eos(tokens: list[int], eos) -> list[int]:
@@ -39,13 +29,13 @@ def test_smollm2_fp32_and_int4_in_onnxruntime_and_genai(tmp_path):
         got = plain.generate(ids, NEW_TOKENS, eos_token_id=eos)
         with torch.no_grad():
             assert torch.equal(got, model.generate(ids, max_new_tokens=NEW_TOKENS, do_sample=False)), text
-        assert genai_tokens(tmp_path / "fp32", ids) == without_eos(got[0].tolist(), eos), text
+        assert genai_greedy(tmp_path / "fp32", ids, NEW_TOKENS) == without_eos(got[0].tolist(), eos), text
     export_onnx(model, tmp_path / "int4", quant="int4-all", tokenizer=tokenizer)
     plain = OnnxCausalLM(tmp_path / "int4")
     for text in PROMPTS:
         ids = tokenizer(text, return_tensors="pt").input_ids
         got = plain.generate(ids, NEW_TOKENS, eos_token_id=eos)
-        assert genai_tokens(tmp_path / "int4", ids) == without_eos(got[0].tolist(), eos), text
+        assert genai_greedy(tmp_path / "int4", ids, NEW_TOKENS) == without_eos(got[0].tolist(), eos), text
 
 
 def test_gemma3_fp32_honours_its_sliding_window(tmp_path):
