@@ -6,11 +6,11 @@ registered with `register_backend`: Dynamo would then see the name twice and ref
 
     Dynamo FX graph -> patterns/ (subgraphs -> torch.ops.fastflow.*) -> Inductor compile_fx
 
-Whatever the patterns do not recognise is left as the model wrote it and compiled by Inductor.
+Whatever the patterns do not recognise is left as the model wrote it and compiled by Inductor. The
+compiled graph goes back to Dynamo wrapped for the decode loop's guard-free replay (replay.py).
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 from collections import Counter
@@ -18,6 +18,7 @@ from collections import Counter
 import torch
 
 from .config import BackendOptions
+from .replay import CompiledGraph, replays_nothing
 from .report import GraphReport, next_graph_id, record
 
 logger = logging.getLogger("ffl_backend")
@@ -85,71 +86,7 @@ def fastflow(gm: torch.fx.GraphModule, example_inputs, mode=None, options=None):
         compiled = gm.forward
     report.compile_seconds = time.perf_counter() - start
     record(report)
-    return CompiledGraph(compiled, _replays_nothing())
-
-
-def _replays_nothing() -> bool:
-    """Whether what Dynamo replays after the graph of the frame being compiled changes nothing: the
-    graph alone is then the frame's work. Mutated objects made inside the frame are invisible after
-    it; an attribute store counts as nothing only when it writes back the value the attribute holds
-    now, before the frame runs (transformers' forward sets a global output collector and restores
-    it). Anything else -- other stores, container mutations, hooks -- or Dynamo internals that moved:
-    False."""
-    try:
-        from torch._dynamo.symbolic_convert import InstructionTranslator
-
-        effects = InstructionTranslator.current_tx().output.side_effects
-        if effects.tensor_hooks or effects.save_for_backward:
-            return False
-        for var in effects._get_modified_vars():
-            if var.source is None:  # made inside the frame
-                continue
-            stores = effects.store_attr_mutations.get(var)
-            if not stores or not all(_writes_back(var.value, name, value) for name, value in stores.items()):
-                return False
-        return True
-    except Exception:  # not under Dynamo (a direct call), or its internals moved: assume effects
-        return False
-
-
-def _writes_back(obj, name: str, value) -> bool:
-    """Whether storing the traced constant `value` into obj.`name` leaves it as it is now."""
-    if not value.is_python_constant():
-        return False
-    current, new = getattr(obj, name), value.as_python_constant()
-    return current is new or (type(current) in (int, float, bool, str) and current == new)
-
-
-_recorder: list | None = None
-
-
-class CompiledGraph:
-    """What the backend returns to Dynamo: the compiled graph, able to record its calls.
-
-    ffl_backend's decode loop records one decode step's call (`recorded_calls`) and then runs the
-    steps after it by calling the graph itself with the same arguments -- its inputs are tensors it
-    updates in place, the model's weights and the cache -- without Dynamo's frame evaluation, guards
-    and argument gathering (decode_loop.py says when that is allowed)."""
-
-    def __init__(self, fn, replays_nothing: bool):
-        self.fn, self.replays_nothing = fn, replays_nothing
-
-    def __call__(self, *args):
-        out = self.fn(*args)
-        if _recorder is not None:
-            _recorder.append((self, args, out))
-        return out
-
-
-@contextlib.contextmanager
-def recorded_calls():
-    """Collect (graph, args, outputs) of every fastflow-compiled graph called in this block."""
-    global _recorder
-    previous, _recorder = _recorder, []
-    try:
-        yield _recorder
-    finally:
-        _recorder = previous
+    return CompiledGraph(compiled, replays_nothing())
 
 
 def register_without_install() -> bool:

@@ -9,16 +9,8 @@ criteria transformers would build for the same request are applied between steps
 `generate()`'s semantics (tokens, eos/padding, sampling draws from the same RNG calls).
 
 Guards: Dynamo checks its full guards on the first two decode steps of every generate() call (so a
-changed model, dtype, batch size or device recompiles or raises as usual). If neither step compiled,
-the loop records step 2's call of the compiled graph and, on CPU, runs the remaining steps of that
-call by calling the graph with those same arguments -- the weights, the cache and its own input
-tensors, which it updates in place -- without Dynamo (no frame evaluation, guards or argument
-gathering: SmolLM2 int4-all hands the graph 1,300 tensors). Only for a step that is one graph with
-no break, whose results are the graph's outputs and after which Dynamo replays no side effect that
-changes anything (backend.CompiledGraph). Elsewhere (CUDA, side effects) the remaining steps run
-through Dynamo with only the guards that tell cache entries apart (`skip_guard_eval_unsafe`), unless
-the model holds many buffers: those "differentiating" guards keep every non-Parameter tensor and an
-aliasing check quadratic in their number: more than the full guards cost (docs/performance.md).
+changed model, dtype, batch size or device recompiles or raises as usual); the steps after them skip
+Dynamo's per-call work where that is safe (replay.py; FFL_GUARDED=1 turns that off).
 
 Everything else -- beam search, assisted or contrastive decoding, returning scores or a dict, several
 sequences per prompt, inputs_embeds, a cache passed in -- goes to transformers' own loop, with the
@@ -30,6 +22,7 @@ import logging
 
 import torch
 
+from . import replay
 from .generation import cache_kwarg
 from .kernels import cpu_lib
 
@@ -37,8 +30,6 @@ logger = logging.getLogger("ffl_backend")
 
 # generate() arguments (besides the token ids) the loop takes; any other model input falls back.
 _MODEL_INPUTS = ("attention_mask", "use_cache", "logits_to_keep")
-_GUARDED_STEPS = 2  # decode steps per generate() call run with Dynamo's full guards
-_MAX_BUFFERS_TO_SKIP_GUARDS = 64  # above this many module buffers, skipping guards costs more (docstring)
 _reported: set = set()
 
 
@@ -88,86 +79,6 @@ def decode_step(model, input_ids, attention_mask, position_ids, cache, keep: dic
     return logits, (torch.ops.fastflow_cpu.argmax(logits) if cpu_argmax else logits.argmax(-1))
 
 
-class _Unguarded:
-    """`skip_guard_eval_unsafe` as a reusable context: building torch.compiler.set_stance costs ten
-    times what entering a built one does. Built per generate() call, so it restores that call's stance."""
-
-    def __init__(self):
-        import torch._dynamo.eval_frame as eval_frame
-
-        self._stance = torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
-        eval_frame._set_stance(self._stance.prev)  # building it applied it; only `with` should
-
-    def __enter__(self):
-        self._stance.__enter__()
-
-    def __exit__(self, *exc):
-        self._stance.__exit__(*exc)
-
-
-class _Steps:
-    """The decode steps of one generate() call (module docstring, "Guards"). Steps 1 and 2 run
-    through Dynamo with its full guards. If neither compiled, step 2's call of the compiled graph is
-    recorded and, on CPU, the later steps call that graph directly with the same arguments: they
-    are the weights, the cache and the loop's own input tensors, which the loop updates in place, so
-    every step's arguments are those objects again. That needs a graph after which Dynamo replays
-    no Python side effect and whose outputs are the step's results; else the later steps run through
-    Dynamo, with only the differentiating guards where the model holds few buffers."""
-
-    def __init__(self, model, step, inputs: dict, may_skip_guards: bool):
-        self.model, self.step, self.inputs, self.may_skip_guards = model, step, inputs, may_skip_guards
-        self.settled = True  # no guarded step compiled
-        self.direct = None  # (graph, args, index of logits, index of argmax) once recorded
-        self.unguarded = None
-
-    def __call__(self, index: int):
-        if self.direct is not None:
-            graph, args, i, j = self.direct
-            out = graph(*args)
-            return out[i], out[j]
-        if self.inputs["input_ids"].is_cuda:  # CUDA graphs: the previous step's outputs are consumed
-            torch.compiler.cudagraph_mark_step_begin()
-        if index > _GUARDED_STEPS:
-            if not (self.settled and self.may_skip_guards):
-                return self.step(self.model, **self.inputs)
-            self.unguarded = self.unguarded or _Unguarded()
-            with self.unguarded:
-                return self.step(self.model, **self.inputs)
-        from torch._dynamo import convert_frame
-
-        from .backend import recorded_calls
-
-        before = sum(convert_frame.FRAME_COMPILE_COUNTER.values())
-        with recorded_calls() as calls:
-            out = self.step(self.model, **self.inputs)
-        self.settled &= sum(convert_frame.FRAME_COMPILE_COUNTER.values()) == before
-        if index == _GUARDED_STEPS and self.settled and not self.inputs["input_ids"].is_cuda and _one_graph(self.step):
-            self.direct = _direct_call(calls, out)
-        return out
-
-
-def _one_graph(step) -> bool:
-    """Whether every compiled version of `step` is one graph with no graph break: Python that
-    Dynamo runs around a graph (a resume function after a break) would be skipped by a direct call."""
-    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
-
-    code = getattr(getattr(step, "_torchdynamo_orig_callable", step), "__code__", None)
-    entries = _debug_get_cache_entry_list(code) if code is not None else []
-    return bool(entries) and not any(name.startswith("__resume_at") for e in entries for name in e.code.co_names)
-
-
-def _direct_call(calls: list, out: tuple):
-    """(graph function, args, i, j) when the step was one fastflow graph call whose outputs i and j
-    are the step's two results and after which Dynamo replays nothing; else None."""
-    if len(calls) != 1:
-        return None
-    graph, args, graph_out = calls[0]
-    if not graph.replays_nothing or not isinstance(graph_out, (list, tuple)):
-        return None
-    where = [next((k for k, t in enumerate(graph_out) if t is result), None) for result in out]
-    return None if None in where else (graph.fn, args, *where)
-
-
 class DecodeLoop:
     """One per optimized model: its static caches (one per batch size) and the compiled step."""
 
@@ -175,7 +86,7 @@ class DecodeLoop:
         self.model, self.hf_generate, self.max_seq_len, self.kv_dtype = model, generate, max_seq_len, kv_dtype
         self._caches: dict = {}
         self._steps: dict = {}  # compile config -> compiled decode_step
-        self._may_skip_guards = sum(1 for _ in model.buffers()) <= _MAX_BUFFERS_TO_SKIP_GUARDS
+        self._may_skip_guards = sum(1 for _ in model.buffers()) <= replay.MAX_BUFFERS_TO_SKIP_GUARDS
         self._keep = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
         self._cache_kw = cache_kwarg(model)
 
@@ -271,7 +182,7 @@ class DecodeLoop:
         inputs = dict(input_ids=ids.new_zeros((batch, 1)), attention_mask=self._decode_mask(ids, attention_mask),
                       position_ids=ids.new_empty((batch, 1)).copy_(positions[:, -1:]),  # fixed strides
                       cache=cache, keep=self._keep, cpu_argmax=cpu_argmax, cache_kw=self._cache_kw)
-        steps = _Steps(model, self._compiled_step(gc), inputs, self._may_skip_guards)
+        steps = replay.DecodeSteps(model, self._compiled_step(gc), inputs, self._may_skip_guards)
         unfinished = torch.ones(batch, dtype=torch.bool, device=ids.device)
         eos, pad = gc._eos_token_tensor, gc._pad_token_tensor
         # max length and eos are checked here; other stopping criteria (stop strings, max_time, the
