@@ -17,7 +17,7 @@ import time
 import torch
 
 from ..bench.grid import environment
-from .schemes import INT4_GRIDS
+from .schemes import config_class, registered_schemes
 
 WINDOW = 512
 # GPTQ's Hessians want more tokens than w8a8's ranges; beyond this many perplexity did not improve
@@ -124,25 +124,31 @@ def _load(args):
 
 
 def _config(args, scheme: str):
+    from .handlers import handler_for
     from .mixed import MIXED_PRESETS
-    from .schemes import DEFAULT_SKIP, PRESETS, QuantConfig, resolve_steps, scheme_name_fields
+    from .schemes import DEFAULT_SKIP, PRESETS, QuantConfig, WeightOnlyConfig, resolve_steps, scheme_name_fields
 
     gptq = getattr(args, "gptq", False)
-    if scheme in PRESETS and gptq:  # GPTQ for the preset's int4 linears; its int8 head stays round-to-nearest
-        return [dataclasses.replace(s, algorithm="gptq") if s.scheme == "int4" else s for s in resolve_steps(scheme)]
+    if scheme in PRESETS and gptq:
+        # GPTQ for the preset's weight-only linears, but not for a step that also quantizes embeddings (the
+        # int8 head of "int4-all"): a tied embedding reads the head's table, which GPTQ rounds for the head's
+        # inputs only; that step stays round-to-nearest.
+        return [dataclasses.replace(s, algorithm="gptq")
+                if isinstance(s, WeightOnlyConfig) and handler_for(s).quantize_embedding is None else s
+                for s in resolve_steps(scheme)]
     if scheme in PRESETS or scheme in MIXED_PRESETS:  # "int8-all", "int4-all", "int4-mixed": used as defined
         return scheme
     skip = (() if args.quantize_embeddings else DEFAULT_SKIP) + tuple(args.skip)
-    kwargs = {**scheme_name_fields(scheme), "skip": skip}
-    if kwargs["scheme"] == "int4":
-        kwargs.setdefault("group_size", args.group_size)
-        kwargs["grid"] = args.int4_grid
-    if kwargs["scheme"] == "w8a8":
-        kwargs.update(static=args.static, smoothquant_alpha=args.alpha, static_range_limit=args.static_range_limit,
-                      clip_search=args.clip_search, min_output_sqnr=args.min_output_sqnr)
+    named = scheme_name_fields(scheme)  # fields the name gives ("int4-g64") win over the options'
+    options = {field: getattr(args, _dest(flag)) for flag, field, _ in config_class(named["scheme"]).cli_options}
+    kwargs = {**options, **named, "skip": skip}
     if gptq:
         kwargs["algorithm"] = "gptq"
     return QuantConfig(**kwargs)
+
+
+def _dest(flag: str) -> str:
+    return flag.lstrip("-").replace("-", "_")
 
 
 def _tokens(tokenizer, path: str) -> tuple[torch.Tensor, int | None]:
@@ -163,28 +169,16 @@ def _calibration(ids: torch.Tensor, start: int, n_tokens: int, window: int = WIN
     return [_with_bos(calib[i:i + step], bos)[None] for i in range(0, calib.numel(), step)]
 
 
-def _alpha(text: str):
-    return text if text == "auto" else float(text)
-
-
 def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", help="HF model folder, or a bundled model: smollm2 (the default) or gemma3")
     parser.add_argument("--text", required=True, help="UTF-8 text file")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--group-size", type=int, default=None,
-                        help="int4 group size (default: 32, else the smallest of 64/128 that fits; or int4-g64)")
-    parser.add_argument("--static", action="store_true", help="w8a8: static activation scales from calibration")
-    parser.add_argument("--alpha", type=_alpha, default=None,
-                        help="w8a8: SmoothQuant alpha, or 'auto' (per input group, least output error)")
-    parser.add_argument("--clip-search", action="store_true",
-                        help="w8a8 static: search each layer's static scale (clip ratio x absmax) "
-                             "for least output error")
-    parser.add_argument("--min-output-sqnr", type=float, default=None,
-                        help="w8a8: keep layers whose calibration output SQNR (dB) is below this in high precision")
-    parser.add_argument("--static-range-limit", type=float, default=8.0,
-                        help="w8a8 static: token range ratio above which a layer keeps per-token scales")
-    parser.add_argument("--int4-grid", choices=INT4_GRIDS, default=None,
-                        help="int4 schemes (not presets): 'fit' (default: least weighted error) or 'minmax'")
+    added = set()
+    for scheme in registered_schemes():  # each scheme's own options (its config's cli_options)
+        for flag, _field, options in config_class(scheme).cli_options:
+            if flag not in added:  # schemes may share one (a group size)
+                parser.add_argument(flag, **options)
+                added.add(flag)
     parser.add_argument("--calib-tokens", type=int, default=2048,
                         help="calibration tokens taken after the evaluated ones (ffl-eval-ppl: 0 = quantize "
                              "without calibration data, as quantize(model, scheme) does)")
@@ -217,11 +211,7 @@ def _linear_counts(model) -> dict:
 
     counts: dict[str, int] = {}
     for m in quantized_modules(model).values():
-        if m.scheme == "w8a8":
-            key = "w8a8 static" if m.x_scale is not None else "w8a8 dynamic"
-        else:
-            key = m.scheme
-        counts[key] = counts.get(key, 0) + 1
+        counts[m.form()] = counts.get(m.form(), 0) + 1
     kept = getattr(model, STATE_ATTR, {}).get("kept", {})
     counts["high precision"] = sum(isinstance(model.get_submodule(n), nn.Linear) for n in kept)
     return counts

@@ -4,16 +4,17 @@
 Quantizing reads every weight it replaces, so those pages become resident; the mapping, and with it
 every page read, stays alive as long as any tensor of the model still points into it -- and the
 layers kept in high precision (norm weights, a kept embedding) do, for the model's lifetime. On
-SmolLM2-135M that left RSS after `quantize(model, "int8")` and a forward at 824 MiB (bf16: 688).
-Copying the kept tensors out of the mapping (tiny norms; a kept embedding is read once) releases it:
-615 MiB (`python benchmarks/quant_cpu.py rss --model int8-quantize`). Linux only (/proc/self/maps);
+SmolLM2-135M that left RSS after `quantize(model, "int8")` and a forward above bf16's. Copying the
+kept tensors out of the mapping (tiny norms; a kept embedding is read once) releases it, and RSS
+falls below bf16's (`python benchmarks/quant_cpu.py rss --model int8-quantize`; figures:
+docs/performance.md#quantization-memory-and-fitting). Linux only (/proc/self/maps);
 elsewhere nothing changes.
 
 Until that copy, every weight quantization has read is resident too: the whole checkpoint by the
-last layer, on top of the new int8 tables (peak ~900 MiB for SmolLM2 int8). `page_out` hands a
-replaced weight's pages back to the kernel as soon as its layer is done (MADV_PAGEOUT: a hint that
-never changes contents -- a page read again comes back from the file, a page written since loading
-is kept), so at most a layer's worth of the file is resident at a time.
+last layer, on top of the new int8 tables (the peak: docs/performance.md#quantization-memory-and-fitting).
+`page_out` hands a replaced weight's pages back to the kernel as soon as its layer is done
+(MADV_PAGEOUT: a hint that never changes contents -- a page read again comes back from the file, a page
+written since loading is kept), so at most a layer's worth of the file is resident at a time.
 """
 from __future__ import annotations
 
@@ -93,8 +94,8 @@ def page_out(t: torch.Tensor, ranges=None) -> int:
 def release_free_heap() -> None:
     """Return the C heap's free pages to the OS (glibc malloc_trim). Quantizing frees many
     temporaries and whole weights; glibc keeps such memory for reuse, which reads as RSS
-    (SmolLM2 int8: up to ~90 MiB after quantize, depending on the run). Nothing happens where it is
-    missing."""
+    (SmolLM2 int8: tens of MiB after quantize, depending on the run;
+    docs/performance.md#quantization-memory-and-fitting). Nothing happens where it is missing."""
     trim = _libc("malloc_trim", [ctypes.c_size_t], ctypes.c_int)
     if trim is not None:
         trim(0)

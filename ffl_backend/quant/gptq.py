@@ -131,20 +131,6 @@ def gptq(w: Tensor, h: Tensor, grid: Grid, damp: float = DAMP) -> tuple[Tensor, 
     return codes.to(grid.code_dtype), torch.stack(scales, 1), torch.stack(zeros, 1), w_hat
 
 
-def quantize_weight(linear: nn.Linear, h: Tensor, config, damp: float = DAMP) -> tuple[tuple, Tensor]:
-    """GPTQ of one linear under `config`: (the `quantized` tuple its module's from_linear takes,
-    dequantized weight (N, K) fp32)."""
-    w = linear.weight.detach()
-    if config.scheme == "int4":
-        grid = int4_grid(config.group_for(linear.in_features), config.is_symmetric, w.dtype)
-        codes, scale, zero, w_hat = gptq(w, h, grid, damp)
-        return (codes, scale.to(w.dtype), zero.to(w.dtype)), w_hat
-    if config.scheme == "int8":
-        codes, scale, _zero, w_hat = gptq(w, h, int8_grid(w), damp)
-        return (codes, scale[:, 0].to(w.dtype)), w_hat
-    raise ValueError(f"gptq applies to int4 and int8, not {config.scheme}")
-
-
 class _Done(Exception):
     """Raised by the last target's hook: nothing after it (e.g. the logits) needs computing."""
 
@@ -160,12 +146,14 @@ def _one_batch(calibration_data) -> tuple[Tensor, Tensor]:
 
 
 @torch.no_grad()
-def quantize_layers(model: nn.Module, targets: dict[str, nn.Linear], config, calibration_data, *,
-                    damp: float = DAMP, sequential: bool = True) -> dict[str, dict]:
+def quantize_layers(model: nn.Module, targets: dict[str, nn.Linear], quantize_weight: Callable, calibration_data,
+                    *, damp: float = DAMP, sequential: bool = True) -> dict[str, dict]:
     """{name: {"quantized": ...}}, the from_linear kwargs of every target, from one forward pass of the
-    calibration data (one batch). sequential: each layer's output during that pass comes from its
-    quantized weight (inputs of later layers carry earlier layers' errors, as at inference); False:
-    every Hessian comes from the high-precision model. The model's weights are not modified."""
+    calibration data (one batch). quantize_weight(linear, h, damp): GPTQ of one layer on its scheme's
+    grid, giving (the `quantized` tuple, dequantized weight (N, K) fp32) (handlers.gptq_weight).
+    sequential: each layer's output during that pass comes from its quantized weight (inputs of later
+    layers carry earlier layers' errors, as at inference); False: every Hessian comes from the
+    high-precision model. The model's weights are not modified."""
     ids, valid = _one_batch(calibration_data)
     done: dict[str, dict] = {}
     start = time.perf_counter()
@@ -175,7 +163,7 @@ def quantize_layers(model: nn.Module, targets: dict[str, nn.Linear], config, cal
             if name in done:  # a module called twice per forward: quantized on its first call
                 return None
             x = args[0]
-            quantized, w_hat = quantize_weight(module, hessian(x, valid), config, damp)
+            quantized, w_hat = quantize_weight(module, hessian(x, valid), damp)
             done[name] = {"quantized": quantized}
             if len(done) == len(targets):
                 raise _Done

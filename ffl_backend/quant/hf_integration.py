@@ -27,7 +27,7 @@ from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING, register_quanti
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .modules import build_module, replaced_type
+from .handlers import build_module, replaced_type
 from .quantizer import STATE_ATTR, _set_module, quantize, quantized_modules, share_cpu_forms
 
 logger = logging.getLogger("ffl_backend")

@@ -19,8 +19,7 @@ from torch import nn
 
 from .. import numerics as P
 from .calibration import as_batches
-from .modules import MODULES
-from .quantizer import _keep_reason
+from .handlers import handler_for
 from .schemes import resolve, select_linears
 
 DEFAULT_TARGET_SQNR = 25.0  # dB
@@ -50,11 +49,10 @@ def capture_inputs(model: nn.Module, names: list[str], calibration_data, max_tok
     return {n: torch.cat(v) for n, v in seen.items() if v}
 
 
-def _layer_errors(name: str, linear: nn.Linear, x: torch.Tensor, cfg) -> dict:
-    extra = {"x_absmax": x.abs().max().item() if cfg.static else None} if cfg.scheme == "w8a8" else {}
-    if cfg.fits_grid:  # as quantize() with calibration data: inputs' mean squares weigh the int4 grid fit
-        extra = {"importance": x.double().square().mean(0).float()}
-    qm = MODULES[cfg.scheme].from_linear(linear, cfg, **extra)
+def _layer_errors(name: str, linear: nn.Linear, x: torch.Tensor, cfg, handler) -> dict:
+    # from the inputs as quantize() calibrates: their mean squares (int4 grid fit), their range (w8a8 static)
+    extra = handler.standalone_kwargs(cfg, x.double().square().mean(0).float(), x.abs().max().item())
+    qm = handler.quantize(linear, cfg, **extra)
     w = linear.weight.detach()
     exact = nn.functional.linear(x.double(), w.double(), None if linear.bias is None else linear.bias.double())
     return {"name": name, "in_features": linear.in_features, "out_features": linear.out_features,
@@ -67,30 +65,17 @@ def report(model: nn.Module, config, calibration_data, *, target_sqnr: float = D
     """{"config", "target_sqnr_db", "layers" (worst output SQNR first), "kept" (layers the scheme
     cannot take), "skip_for_target" (layers below target_sqnr)}. Print with `format_table`."""
     cfg = resolve(config)
+    handler = handler_for(cfg)
     targets = select_linears(model, cfg)
-    kept = {n: r for n, m in targets.items() if (r := _keep_reason(m, cfg))}
+    kept = {n: r for n, m in targets.items() if (r := cfg.keep_reason(m))}
     targets = {n: m for n, m in targets.items() if n not in kept}
     inputs = capture_inputs(model, list(targets), calibration_data, max_tokens)
-    layers = [_layer_errors(n, m, inputs[n], cfg) for n, m in targets.items() if n in inputs]
+    layers = [_layer_errors(n, m, inputs[n], cfg, handler) for n, m in targets.items() if n in inputs]
     layers.sort(key=lambda r: r["output_sqnr_db"])
     rep = {"config": cfg.to_dict(), "target_sqnr_db": target_sqnr, "layers": layers, "kept": kept,
            "skip_for_target": [r["name"] for r in layers if r["output_sqnr_db"] < target_sqnr]}
-    if cfg.scheme == "w8a8" and cfg.searches:
-        plan = _search(model, targets, cfg, calibration_data)
-        for r in layers:
-            r["searched_sqnr_db"] = round(plan.sqnr[r["name"]], 2)
-        rep["kept_by_min_output_sqnr"] = plan.kept
+    handler.extend_report(rep, model, targets, cfg, calibration_data)
     return rep
-
-
-def _search(model: nn.Module, targets: dict, cfg, calibration_data):
-    """quantize's w8a8 search Plan for `targets`, without applying it."""
-    from .calibration import collect
-    from .quantizer import _dynamic_fallbacks
-    from .w8a8_search import search
-
-    _, token_absmax, groups = collect(model, list(targets), calibration_data)
-    return search(model, targets, groups, _dynamic_fallbacks(cfg, token_absmax), cfg, calibration_data)
 
 
 def format_table(rep: dict, limit: int | None = None) -> str:

@@ -53,7 +53,7 @@ class MixedPrecision:
         """(the QuantConfig steps `quantize` applies, the plan: format per layer, average bpw)."""
         linears = select_linears(model, QuantConfig(scheme="int4", skip=self.skip))
         candidates = {name: [(label, QuantConfig(**fields, skip=())) for label, fields in TIERS
-                             if _fits(lin, QuantConfig(**fields))] for name, lin in linears.items()}
+                             if QuantConfig(**fields).keep_reason(lin) is None] for name, lin in linears.items()}
         candidates = {n: c for n, c in candidates.items() if c}
         costs = _costs(model, linears, candidates, calibration_data, self.max_tokens)
         choice = _allocate(costs, {n: linears[n].weight.numel() for n in candidates}, self.budget_bpw)
@@ -73,14 +73,10 @@ class MixedPrecision:
         return steps, summary
 
 
-def _fits(linear: nn.Linear, cfg: QuantConfig) -> bool:
-    return cfg.scheme != "int4" or cfg.group_for(linear.in_features) is not None
-
-
 @torch.no_grad()
 def _costs(model, linears: dict, candidates: dict, calibration_data, max_tokens: int) -> dict:
     """{name: [(stored bits per weight, error) per candidate format]} (module docstring)."""
-    from .modules import MODULES
+    from .handlers import handler_for
 
     ids = _calibration_ids(calibration_data, max_tokens)
     ids = ids.to(next(model.parameters()).device) if ids is not None else None
@@ -93,8 +89,8 @@ def _costs(model, linears: dict, candidates: dict, calibration_data, max_tokens:
         linear, row = linears[name], []
         original = linear.weight.data
         for _, cfg in formats:
-            extra = {"importance": importance.get(name)} if cfg.fits_grid else {}
-            qm = MODULES[cfg.scheme].from_linear(linear, cfg, **extra)
+            handler = handler_for(cfg)
+            qm = handler.quantize(linear, cfg, **handler.standalone_kwargs(cfg, importance.get(name), None))
             stored = sum(t.numel() * t.element_size() for k, t in qm.state_dict().items() if k != "bias")
             approx = qm.dequantized_weight().to(original.dtype)
             if exact is None:

@@ -28,6 +28,10 @@ class QuantizedModule(nn.Module):
     def spec(self) -> dict:
         raise NotImplementedError
 
+    def form(self) -> str:
+        """What the CLIs count this module as, in their layers-per-form summaries."""
+        return self.scheme
+
     def finalize(self) -> "QuantizedModule":
         """Align the buffers and derive the non-persistent CPU forms from the canonical ones.
 
@@ -227,6 +231,9 @@ class W8A8Linear(QuantizedLinear):
     def spec(self):
         return {**super().spec(), "static": self.x_scale is not None, "smooth": self.smooth is not None}
 
+    def form(self):
+        return "w8a8 static" if self.x_scale is not None else "w8a8 dynamic"
+
     def dequantized_weight(self):
         """Of the smoothed weight when the module smooths its own input (W * s)."""
         return P.dequantize_int8(self.qweight, self.w_scale)
@@ -300,27 +307,6 @@ class Int8Embedding(QuantizedModule):
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, dtype={self.dtype}"
-
-
-MODULES = {cls.scheme: cls for cls in (Int8Linear, Int4Linear, W8A8Linear, Fp8Linear)}
-
-
-def replaced_type(spec: dict) -> type:
-    """The high-precision module type a saved quantized module (its `spec()`) replaced."""
-    return nn.Embedding if spec["scheme"] == Int8Embedding.scheme else nn.Linear
-
-
-def build_module(spec: dict, device="cpu") -> QuantizedModule:
-    """An empty (uninitialized) module from a quantized module's `spec()`, to load saved buffers into."""
-    spec = dict(spec)
-    if spec["scheme"] == Int8Embedding.scheme:
-        spec.pop("scheme")
-        return Int8Embedding(spec.pop("num_embeddings"), spec.pop("embedding_dim"), getattr(torch, spec.pop("dtype")),
-                             device)
-    cls = MODULES[spec.pop("scheme")]
-    dtype = getattr(torch, spec.pop("dtype"))
-    args = (spec.pop("in_features"), spec.pop("out_features"), dtype, spec.pop("has_bias"), device)
-    return cls(*args, **spec)
 
 
 def pretune_linears(model: nn.Module, rows: int) -> int:

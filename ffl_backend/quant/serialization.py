@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .modules import QuantizedModule, build_module, replaced_type
+from .handlers import build_module, replaced_type
+from .modules import QuantizedModule
 from .quantizer import STATE_ATTR, _set_module, quantized_modules, share_cpu_forms
 
 

@@ -23,7 +23,7 @@ How error is measured decides what works (docs/quantization.md has the perplexit
   down_proj inputs: it rated well a static scale that keeps the sink exact and leaves every other
   token at almost no levels.
 
-Nothing is mutated here: `search` returns a Plan that api._calibrate applies (calibration.smooth).
+Nothing is mutated here: `search` returns a Plan that the w8a8 handler applies (handlers.py, calibration.smooth).
 Smoothing is output-preserving, so inputs captured from the unsmoothed model are divided by each
 candidate s here. At most MAX_ROWS token rows are captured per input group, in passes holding at
 most CAPTURE_BYTES of inputs, so a large model does not hold every layer's inputs at once.

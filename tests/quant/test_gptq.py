@@ -9,6 +9,7 @@ from torch import nn
 import ffl_backend
 from ffl_backend import numerics as P
 from ffl_backend.quant import gptq as G
+from ffl_backend.quant import handlers as H
 from ffl_backend.quant import modules as M
 from ffl_backend.quant.quantizer import quantized_modules
 from tests.tiny_models import tiny_model
@@ -40,7 +41,7 @@ def _output_error(linear, x, w):
 def test_gptq_beats_rtn_in_the_int4_layout(dtype, symmetric):
     linear, x = _layer(dtype)
     cfg = ffl_backend.QuantConfig("int4", group_size=GROUP, symmetric=symmetric)
-    (codes, scale, zero), w_hat = G.quantize_weight(linear, G.hessian(x), cfg)
+    (codes, scale, zero), w_hat = H.gptq_weight(linear, G.hessian(x), cfg)
     assert codes.dtype == torch.uint8 and codes.shape == (N, K) and int(codes.max()) <= 15
     assert scale.shape == zero.shape == (N, K // GROUP) and scale.dtype == zero.dtype == dtype
     if symmetric:
@@ -63,7 +64,7 @@ def test_uncorrelated_inputs_give_exactly_rtn(symmetric):
     pins down that both share one grid (scale and zero rounded to bf16 the same way)."""
     linear, _ = _layer(torch.bfloat16)
     cfg = ffl_backend.QuantConfig("int4", group_size=GROUP, symmetric=symmetric)
-    (codes, scale, zero), _ = G.quantize_weight(linear, torch.eye(K), cfg)
+    (codes, scale, zero), _ = H.gptq_weight(linear, torch.eye(K), cfg)
     for got, want in zip((codes, scale, zero), P.quantize_int4(linear.weight, GROUP, symmetric)):
         assert torch.equal(got, want)
 
@@ -73,9 +74,9 @@ def test_lazy_block_updates_match_one_block(monkeypatch):
     what one 128-column block gives, up to float reassociation."""
     linear, x = _layer(torch.float32)
     cfg = ffl_backend.QuantConfig("int4", group_size=GROUP)
-    (codes, _, _), w_hat = G.quantize_weight(linear, G.hessian(x), cfg)
+    (codes, _, _), w_hat = H.gptq_weight(linear, G.hessian(x), cfg)
     monkeypatch.setattr(G, "BLOCK", GROUP)
-    (codes_b, _, _), w_hat_b = G.quantize_weight(linear, G.hessian(x), cfg)
+    (codes_b, _, _), w_hat_b = H.gptq_weight(linear, G.hessian(x), cfg)
     assert (codes_b != codes).float().mean() < 0.01
     assert _output_error(linear, x, w_hat_b) < 1.02 * _output_error(linear, x, w_hat)
 
@@ -93,7 +94,7 @@ def test_group_grid_comes_from_the_error_updated_weights():
 
 def test_int8_gptq_keeps_rtn_scales_and_lowers_error():
     linear, x = _layer(torch.float32)
-    (q, scale), w_hat = G.quantize_weight(linear, G.hessian(x), ffl_backend.QuantConfig("int8"))
+    (q, scale), w_hat = H.gptq_weight(linear, G.hessian(x), ffl_backend.QuantConfig("int8"))
     q_rtn, s_rtn = P.quantize_int8(linear.weight)
     assert q.dtype == torch.int8 and torch.equal(scale, s_rtn) and int(q.abs().max()) <= 127
     assert torch.equal(P.dequantize_int8(q, scale), w_hat)
@@ -140,8 +141,8 @@ def test_sequential_and_parallel_calibration_differ_and_leave_weights_alone(llam
     before = {n: m.weight.clone() for n, m in targets.items()}
     calib = [torch.randint(3, 128, (2, 32))]
     cfg = ffl_backend.QuantConfig("int4", group_size=32, algorithm="gptq")
-    seq = G.quantize_layers(model, targets, cfg, calib)
-    par = G.quantize_layers(model, targets, cfg, calib, sequential=False)
+    seq = H.gptq_layers(model, targets, cfg, calib)
+    par = H.gptq_layers(model, targets, cfg, calib, sequential=False)
     assert all(torch.equal(m.weight, before[n]) for n, m in targets.items())
     first, last = "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj"
     assert torch.equal(seq[first]["quantized"][0], par[first]["quantized"][0])  # same input to the first layer
