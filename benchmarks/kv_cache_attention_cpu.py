@@ -3,7 +3,8 @@
 3 KV heads, head dim 64), one new token, at several filled lengths and batch sizes; and the cache's
 bytes. Interleaved rounds, median of each.
 
-    flock /tmp/ffl_cpu.lock .venv/bin/python benchmarks/kv_cache_attention_cpu.py --out benchmarks/results/X.json
+    flock /tmp/ffl_cpu.lock .venv/bin/python benchmarks/kv_cache_attention_cpu.py \
+        --out benchmarks/results/kv_cache_attention_cpu_<cpu>.json
 """
 from __future__ import annotations
 

@@ -13,7 +13,8 @@ FFL_CPU_MARCH / ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA select the instruction 
 which), e.g. the AVX2 proxy on an AVX-512 machine: FFL_CPU_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2
 ONEDNN_MAX_CPU_ISA=AVX2.
 
-    python benchmarks/prefill_linear_paths.py [--rows 512] [--out benchmarks/results/prefill_linear_paths_cpu.json]
+    python benchmarks/prefill_linear_paths.py [--rows 512] \
+        [--out benchmarks/results/prefill_linear_paths_cpu_<cpu>.json]
 """
 from __future__ import annotations
 

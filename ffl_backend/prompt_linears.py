@@ -1,12 +1,13 @@
 """A prompt's bf16 / fp16 linears on CPUs without bf16 matrix instructions: fastflow's GEMM.
 
 A model's nn.Linear layers call F.linear, and on such CPUs (AVX2 machines: AMD Zen 2/3, Intel before
-Ice Lake) torch's bf16 GEMM is emulated, ~10x slower than `fastflow_cpu::gemm` (kernels/cpu_gemm.py),
-which made a bf16 prompt the slowest part of generating there. `install(model)` gives each plain bf16 /
-fp16 CPU `nn.Linear` of the model the class `PromptLinear`, whose forward takes the GEMM for eager
-calls with enough rows (a prompt; the threshold is searched per machine and shape) and F.linear
-otherwise. Traced calls (compiled decode steps, `model.compile`) see plain F.linear, so graphs and the
-pattern families that match them are unchanged. Per instance and reversible (`uninstall`).
+Ice Lake) torch's bf16 GEMM is emulated, many times slower than `fastflow_cpu::gemm` (kernels/cpu_gemm.py;
+docs/performance.md#decode-attention-packed-linears-and-prompts), which made a bf16 prompt the slowest
+part of generating there. `install(model)` gives each plain bf16 / fp16 CPU `nn.Linear` of the model
+the class `PromptLinear`, whose forward takes the GEMM for eager calls with enough rows (a prompt; the
+threshold is searched per machine and shape) and F.linear otherwise. Traced calls (compiled decode
+steps, `model.compile`) see plain F.linear, so graphs and the pattern families that match them are
+unchanged. Per instance and reversible (`uninstall`).
 """
 from __future__ import annotations
 

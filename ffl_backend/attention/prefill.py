@@ -13,7 +13,8 @@ The same kernel serves attention_decode's long-query case (`HAS_FILLED`: the key
 a device tensor, so no host sync) and can AND in a boolean HF mask (`HAS_MASK`).
 
 CPU: on CPUs without bf16 matrix instructions fastflow's C++ tiles (`causal_cpu`,
-kernels/cpu_prefill_attention.cpp: ~2x SDPA's speed at 512 tokens on AVX2); elsewhere SDPA with
+kernels/cpu_prefill_attention.cpp: faster than SDPA on AVX2,
+docs/performance.md#decode-attention-packed-linears-and-prompts); elsewhere SDPA with
 `enable_gqa` (no K/V repeat) and `is_causal` when the mask is the plain square causal one, else an
 explicit boolean mask; under torch.compile Inductor traces it.
 SDPA has no soft-capping: capped scores take `capped_attention` (explicit scores, fp32 softmax).
@@ -261,7 +262,8 @@ def aot_specs() -> list[AotSpec]:
     """Every (dtype, head block) tile the launcher can pick, with the HAS_FILLED/HAS_MASK branches on
     (their superset of code), plus the plain prefill variant once, and the int8 / fp8 cache variants
     at bf16 D128. fp16 compiles to the same tile shapes, shared memory and registers as bf16, so bf16
-    stands for both: one compile takes 5-10 s here, and the suite has to stay affordable."""
+    stands for both: each compile takes seconds (docs/performance.md#gpu-kernels), and the suite has to
+    stay affordable."""
     specs = []
     variants = [(dt, d, True, 0) for dt in AOT_DTYPES for d in AOT_BLOCK_DS] + [("bf16", 128, False, 0)]
     variants += [("bf16", 128, True, code) for code in KV_QUANT_PTRS]

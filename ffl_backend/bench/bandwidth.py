@@ -2,7 +2,7 @@
 
 Decode at small batch reads every weight once per step, so its best case is bytes / read rate. The
 rate depends on where the bytes live: a buffer bigger than the last-level cache streams from DRAM,
-a smaller one (SmolLM2-135M in bf16 is 270 MB against a 480 MiB L3 here) is bound by how fast the
+a smaller one (SmolLM2-135M in bf16 is 270 MB, less than some servers' L3) is bound by how fast the
 cores pull data through the caches. So each configuration is measured against a buffer of exactly
 its own weight bytes, and the grid also records the DRAM rate (1 GiB) and an in-cache rate (32 MiB).
 """

@@ -40,8 +40,9 @@ def skip_reason(cfg: dict) -> str | None:
     """Why a combination of the cartesian product is not run, or None.
 
     Quantized linears take their scales in the activation dtype and are built for bf16/fp16
-    activations; with fp32 activations they are 3-5x slower than fp32 F.linear (measured on the
-    project's 2-core AVX-512 CPU), so an fp32 x scheme row would time a configuration nobody should use.
+    activations; with fp32 activations they are several times slower than fp32 F.linear
+    (docs/performance.md#the-benchmark-harness), so an fp32 x scheme row would time a configuration
+    nobody should use.
     llama.cpp and ONNX Runtime rows have reasons of their own (their modules' skip_reason)."""
     if cfg["backend"] in OUT_OF_TORCH and cfg.get("tp", 1) > 1:
         return f"{cfg['backend']} rows run in one process"

@@ -2,9 +2,9 @@
 robin, one per configuration per round, so a drift of the machine's speed hits every configuration
 alike and the ratios between them stay comparable.
 
-Why: on a shared or virtualized CPU the same configuration can run 1.4-1.9x faster in one phase than
-in another (measured on a 2-core AMD EPYC VM); when configurations run one after the other, a ratio
-between two rows says as much about when each ran as about the configurations. Interleaving keeps
+Why: on a shared or virtualized CPU the same configuration can run much faster in one phase than in
+another (docs/performance.md#the-benchmark-harness); when configurations run one after the other, a
+ratio between two rows says as much about when each ran as about the configurations. Interleaving keeps
 what isolation gives -- each configuration's compile, allocator and peak RSS are still its own
 process's -- at the price of holding every configuration's model in memory at once
 (`--schedule sequential` runs them one at a time).
@@ -109,14 +109,15 @@ class WorkerProcess:
         self.stderr.close()
 
 
-# What one configuration's process holds besides its weights: torch, transformers and Inductor (~0.45 GB
-# measured) and the compile's own state (0.1-0.5 GB), rounded up.
+# What one configuration's process holds besides its weights: torch, transformers and Inductor, and the
+# compile's own state -- their measured sizes (docs/performance.md#the-benchmark-harness), rounded up.
 RUNTIME_GB = 1.0
 # A quantized model against its unquantized one: int8 with a bf16 embedding is 0.61x of bf16 on
 # SmolLM2-135M and 0.53x on 1.7B; int4 less.
 QUANTIZED_SHARE = 0.65
 CUDA_CONTEXT_GB = 0.6  # a CUDA context with cuBLAS and Triton loaded, rounded up
-# A llama.cpp worker holds llama_cpp's import (~40 MB measured) and the pages of its GGUF file it reads.
+# A llama.cpp worker holds llama_cpp's import (tens of MB, docs/performance.md#the-benchmark-harness) and the
+# pages of its GGUF file it reads.
 LLAMACPP_RUNTIME_GB = 0.2
 _ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
 
@@ -199,7 +200,8 @@ def setup_order(cfgs: list[dict]) -> list[int]:
     """Quantized configurations first. A process that quantizes hands the checkpoint's pages back as
     it goes (quant/file_pages.py), but the kernel cannot page out what another process also maps:
     with an unquantized process of the same checkpoint alive, the quantizing process would count the
-    whole checkpoint in its peak RSS (measured: a 1.7B int8 model peaked at 5.5 GB instead of 2.4)."""
+    whole checkpoint in its peak RSS (for a 1.7B int8 model more than twice its own peak:
+    docs/performance.md#the-benchmark-harness)."""
     return sorted(range(len(cfgs)), key=lambda i: cfgs[i].get("quant", "none") == "none")
 
 

@@ -12,7 +12,7 @@ and fixes the thread count (--threads, else torch's default, as the torch rows g
 
 llama.cpp is driven through the bindings of its C API (model, context, llama_decode, as llama.cpp's
 simple example does), not llama_cpp.Llama: Llama() cannot turn off ggml's extra buffer types, and on
-CPUs with AMX (this project's Xeon among them) ggml's AMX matmul segfaults on Q8_0 and Q4_0 weights
+CPUs with AMX (docs/performance.md#the-benchmark-harness) ggml's AMX matmul segfaults on Q8_0 and Q4_0 weights
 (ggml-org/llama.cpp#20824; files written by llama.cpp's own quantizer crash the same way). There the
 extra buffer types are off -- AMX and weight repacking together, ggml has no finer switch -- and the
 JSON's environment says so (extra_buffer_types). Context settings are llama.cpp's defaults (F16 KV

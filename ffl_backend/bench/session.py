@@ -64,8 +64,8 @@ def time_generate(model, ids, new_tokens: int, attention_mask=None) -> dict:
 
     Exactly: the end-of-sequence token does not stop it (`eos_token_id=None`, what vLLM calls
     ignore_eos). `min_new_tokens` would do the same through two logits processors that rebuild a
-    vocabulary-sized mask every step (~0.5 ms per token on a 2-core AMD EPYC, more than the rest of
-    HF's loop): a cost of the harness, which a plain generate() does not have.
+    vocabulary-sized mask every step (measured costlier per token than the rest of HF's loop:
+    docs/performance.md#the-benchmark-harness): a cost of the harness, which a plain generate() does not have.
 
     decode_tok_s counts tokens of every row (batch x steps / s); tokens are row 0's new tokens and
     rows_equal says whether every row produced them (the rows share one prompt; None with an

@@ -74,8 +74,9 @@ inline void load_row(const int8_t* row, float* dst, int64_t D) {
 
 // e4m3 byte b = s eeee mmm is (-1)^s 2^(e-7) (1 + m/8), or m 2^-9 for e = 0 (subnormal). Shifted into a
 // half's bits, s << 15 | eeee mmm << 7 is that value times 2^-8 (subnormals included), and F16C
-// widens 8 halves per instruction; a 256-entry table lookup took 2.5x bf16's time
-// (benchmarks/kv_cache_attention_cpu.py). The scalar formula serves the tail and non-F16C builds.
+// widens 8 halves per instruction; a 256-entry table lookup was much slower (benchmarks/kv_cache_attention_cpu.py;
+// docs/performance.md#decode-attention-packed-linears-and-prompts). The scalar formula serves the tail
+// and non-F16C builds.
 inline float e4m3_to_float(uint32_t b) {
   const uint32_t e = (b >> 3) & 15u, m = b & 7u;
   const float mag = std::ldexp(static_cast<float>(e != 0 ? (m | 8u) : m), static_cast<int>(e != 0 ? e : 1u) - 10);

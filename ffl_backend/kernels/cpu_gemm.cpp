@@ -4,9 +4,10 @@
 //     int4_gemm(x, packed, scale_zeros, bias?, G) = x @ W.T + bias               W in int4_gemv's layout
 //
 // fp32 products and sums, one rounding to x's dtype (the references: cpu_gemm.py). Why: on an AVX2 CPU
-// (AMD Zen 2/3, Intel before Ice Lake) torch has no bf16 GEMM -- it emulates one at ~10% of the FMA
-// peak -- and the quantized kernels it has are GEMVs run row after row. This is a cache-blocked fp32
-// GEMM in the usual shape (Goto / BLIS): x is packed once per call into fp32 panels of kMR rows, the
+// (AMD Zen 2/3, Intel before Ice Lake) torch has no bf16 GEMM -- it emulates one, far below the FMA
+// peak (docs/performance.md#decode-attention-packed-linears-and-prompts) -- and the quantized kernels it
+// has are GEMVs run row after row. This is a cache-blocked fp32 GEMM in the usual shape (Goto / BLIS):
+// x is packed once per call into fp32 panels of kMR rows, the
 // weight block by block (kKC values of kNR rows) into fp32 panels -- bf16 -> fp32 is a shift, int8 a convert, int4 a
 // (q - 8) * s + z' per value -- and a kMR x kNR register tile of FMAs runs over them, kMR values of x
 // broadcast against two vectors of a panel per step. Widening is one pass over the weight per call,

@@ -5,7 +5,8 @@
 
 fp32 products and sums, one rounding to x's dtype (fp32, bf16 or fp16); the references below. The C++
 (cpu_gemm.cpp) widens the weight block by block into fp32 panels and runs a register-tiled FMA GEMM:
-on an AVX2 CPU torch's bf16 GEMM is emulated (~10% of the FMA peak) and its quantized CPU kernels are
+on an AVX2 CPU torch's bf16 GEMM is emulated (far below the FMA peak:
+docs/performance.md#decode-attention-packed-linears-and-prompts) and its quantized CPU kernels are
 GEMVs run row after row, so a prompt's linears were the slowest part of a prompt there.
 
 Who calls it, and from how many rows (`prompt_gemm_min_rows`, searched per machine and weight shape):

@@ -10,10 +10,10 @@
 //
 // Why a hand-written loop: at batch 1 every weight byte is read once per token, so the step is a
 // stream of GEMVs. Inductor's loop for the same expression (one row, one accumulator, no prefetch)
-// streams SmolLM2-135M's int8 weights at ~16 GB/s on our 2-core Xeon; this one at ~47 GB/s when they
-// sit in L3, 26 GB/s from DRAM. Nearly all of the gain is software prefetch (2 and 18 KB ahead): the
-// hardware prefetcher does not run far enough ahead of a 2-core VM's loads from the (large, shared)
-// L3 and DRAM. Four accumulators per row break the FMA latency chain (~15% more without prefetch).
+// streams the weights at a fraction of this one's rate, from L3 and from DRAM. Nearly all of the gain
+// is software prefetch (2 and 18 KB ahead by default): the hardware prefetcher does not run far enough
+// ahead of a small shared VM's loads from the (large, shared) L3 and DRAM. Four accumulators per row
+// break the FMA latency chain. Figures: docs/performance.md#cpu-decode-gemvs.
 //
 // Each loop has three paths, chosen at compile time (-march=native, or FFL_CPU_MARCH): AVX-512 (with
 // VNNI for int4), AVX2 + FMA (AMD Zen 2/3 and older Intel: 8 lanes, int4 through vpmaddubsw), and
@@ -47,11 +47,9 @@ namespace {
 
 // How far ahead of the current load to prefetch by default, in weight elements: near into L1, far into L2 (the
 // L2 tracks more outstanding misses than L1's fill buffers, so the far stream keeps more of DRAM's
-// latency hidden). Measured in C over SmolLM2-shaped int8 weights, 2 threads (GB/s; L3-resident
-// 134 MB / DRAM-bound 540 MB): no prefetch 16 / -, L1 at 8 rows of 576 only 30 / 21, L1 at 4 rows +
-// L2 at 16 rows 42 / 26, + L2 at 32 rows 47 / 26.5, + L2 at 64 rows 43 / 25. bf16 weights (268 MB):
-// 22 -> 28 GB/s with the same distances in elements.
-// These are the defaults; cpu_lib.tune_prefetch times other distances on each machine (set_prefetch).
+// latency hidden). These defaults were the fastest of the distances timed in C over SmolLM2-shaped
+// int8 weights, L3-resident and DRAM-bound (the figures: docs/performance.md#cpu-decode-gemvs);
+// cpu_lib.tune_prefetch times other distances on each machine (set_prefetch).
 constexpr int64_t kNearPrefetchElements = 4 * 576;
 constexpr int64_t kFarPrefetchElements = 32 * 576;
 std::atomic<int64_t> near_prefetch_elements{kNearPrefetchElements};

@@ -7,9 +7,9 @@
 // row's largest |x|: finer than bf16's own rounding for every value above 1/128 of that largest), and
 // the sums of int16 x int8 products are exact in integers: every instruction-set path gives the same
 // bits. Why: a small batch's decode step with fp32 FMAs costs per 16 weights two conversions plus one
-// FMA per row, and at 4 rows that arithmetic, not memory, bounds the GEMV (30 SmolLM2-135M int8 layers
-// on the 2-core Xeon: 10.2 ms against 6.1 at 1 row; this kernel 8.1 and 5.6, benchmarks/results/
-// cpu_gemv_layers_rows_cpu_xeon.json). AVX512-VNNI's `vpdpwssd` multiplies 32
+// FMA per row, and at 4 rows that arithmetic, not memory, bounds the GEMV (timed over 30 SmolLM2-135M
+// int8 layers at 1 to 8 rows, float and this kernel: benchmarks/results/cpu_gemv_layers_rows_cpu_xeon.json,
+// docs/performance.md#cpu-decode-gemvs). AVX512-VNNI's `vpdpwssd` multiplies 32
 // int16 pairs and adds them into 16 int32 lanes in one instruction, after one widening per 32
 // weights shared by all rows. Without VNNI, `vpmaddwd` + `vpaddd` do the same (AVX-512, AVX2).
 // Lane sums stay below 2^31 within a segment of K (kSegment, per instruction set); longer rows are summed in

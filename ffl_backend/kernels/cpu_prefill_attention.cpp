@@ -7,13 +7,13 @@
 // with window > 0, position - j < window (attention/reference.py's rules without a mask). The
 // reference is attention/prefill.py's SDPA path; tests compare both with float64.
 //
-// Why: torch's CPU flash attention ran a 512-token SmolLM2 prompt at ~75 GFLOP/s on 2 cores, 17% of
-// the whole prompt once the linears took fastflow's GEMM (cpu_gemm.cpp). This is FlashAttention's
-// loop on the GEMM's register tile (cpu_tile.h): K and V are widened to fp32 once per call (K as
-// panels of 16 keys, transposed), each task takes kBQ query rows of one head, computes scores for kBK
-// keys at a time with tiles over D, updates the online softmax (running max and sum per row, e^x
-// vectorized), and adds probabilities times V with tiles over the keys. Blocks past the causal bound
-// or before the window are skipped. Built with the other sources into one library (cpu_lib.py).
+// Why: torch's CPU flash attention ran far below the FMA peak, a large share of a long prompt once the
+// linears took fastflow's GEMM (cpu_gemm.cpp; docs/performance.md#decode-attention-packed-linears-and-prompts).
+// This is FlashAttention's loop on the GEMM's register tile (cpu_tile.h): K and V are widened to fp32
+// once per call (K as panels of 16 keys, transposed), each task takes kBQ query rows of one head,
+// computes scores for kBK keys at a time with tiles over D, updates the online softmax (running max and
+// sum per row, e^x vectorized), and adds probabilities times V with tiles over the keys. Blocks past
+// the causal bound or before the window are skipped. Built with the other sources into one library (cpu_lib.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>

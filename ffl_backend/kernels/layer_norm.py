@@ -5,8 +5,9 @@ Semantics of `F.layer_norm(x, (N,), weight, bias, eps)`, which is what `nn.Layer
 `final_layer_norm`). Cast order: for bf16/fp16 inputs torch computes the mean, the (biased)
 variance, the normalisation and the affine `* w + b` all in fp32 and rounds once, to the input
 dtype, at the very end. Rounding the normalised value before the affine step (what a naive bf16
-kernel does) changes ~28% of bf16 outputs of a 768-wide GPT-2 norm; the single rounding changes
-~0.01% (ulp-level fp32 reduction-order differences that straddle a bf16 rounding boundary).
+kernel does) changes a large share of bf16 outputs of a GPT-2 norm; the single rounding changes only
+the rare ones where ulp-level fp32 reduction-order differences straddle a bf16 rounding boundary
+(figures: docs/performance.md#numerics).
 
 CPU path: as for rms_norm, the op is a `triton_op` whose body on a non-CUDA tensor is the reference,
 so Inductor traces the reference and fuses it; on CUDA the body is the Triton kernel.

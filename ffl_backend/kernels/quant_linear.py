@@ -94,7 +94,7 @@ def fp8_linear_ref(x: Tensor, qweight: Tensor, w_scale: Tensor, bias: Optional[T
 
 # Rows from which a bf16 int8/int4 linear on a CPU with native bf16 matrix instructions (AMX or
 # AVX-512-BF16) widens its weight to bf16 and runs one oneDNN GEMM instead of the row kernels: a
-# prompt's linears (benchmarks/prefill_linear_paths.py; results/prefill_linear_paths_cpu_xeon.json).
+# prompt's linears (benchmarks/prefill_linear_paths.py; benchmarks/results/prefill_linear_paths_cpu_xeon.json).
 # Widening costs one pass over the weight, which enough rows repay; how many is searched per machine
 # and weight shape (autotune.py), WIDEN_MIN_ROWS where the search is off. Numerics: the weight
 # rounded once to bf16 (q * s for int8, (q - 8) * s + z' for int4), products in fp32.
@@ -157,8 +157,8 @@ def _paths(kind: str, w: Tensor) -> tuple:
 def int4_cpu_form(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int):
     """The CPU kernels' form of an int4 weight, made once at quantize or load time: fastflow's
     `int4_gemv` layout ((N/16, K/8, 64) codes, (N/16, K/G, 2, 16) scale/zero) where that kernel is
-    built and takes the shape (2x faster than torch's at batch 1, and it reads x in fp32), else
-    torch's pack (`int4_cpu_pack`), else (None, None): the reference."""
+    built and takes the shape (faster than torch's at batch 1, docs/performance.md#cpu-decode-gemvs;
+    and it reads x in fp32), else torch's pack (`int4_cpu_pack`), else (None, None): the reference."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
     if qweight.device.type == "cpu" and int4_layout.int4_layout_fits(n, k, group_size) and cpu_lib.load():
         return int4_layout.int4_layout(P.unpack_int4(qweight), int4_cpu_scale_zeros(scale, zero), group_size)
@@ -231,7 +231,8 @@ def _single_row_kernel_applies(x: Tensor, qweight: Tensor, scale: Tensor, bias: 
 
 def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],
               cpu_scale: Optional[Tensor]) -> Tensor:
-    if _single_row_kernel_applies(x, qweight, scale, bias):  # batch-1 eager decode: fp32 math, ~3x faster
+    # batch-1 eager decode: fp32 math, faster than torch's int8 kernel (docs/performance.md#cpu-decode-gemvs)
+    if _single_row_kernel_applies(x, qweight, scale, bias):
         return torch.ops.fastflow_cpu.gemv(x, [qweight], [scale], [] if bias is None else [bias])
     # The bf16 scale must be a real buffer: Inductor's int8pack_mm lowering (torch 2.13) does not
     # realize its scale argument and fails on an in-graph cast, so fp32 models keep a bf16 copy.
@@ -305,7 +306,8 @@ def _w8a8_cpu(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Optional[Ten
 def calls_cpu_body(x: Tensor) -> bool:
     """Whether a quantized module may call its op's CPU body directly (`int8_linear_cpu`,
     `int4_linear_cpu`): eager CPU inference. The dispatcher's trip into a triton_op's Python body costs
-    ~45 us a call, a fifth of a 16-token prompt's linears on SmolLM2; traced calls keep the op (the
+    tens of microseconds a call, a large share of a short prompt's linears
+    (docs/performance.md#decode-attention-packed-linears-and-prompts); traced calls keep the op (the
     pattern families match it), and so do calls that need gradients (the op refuses them)."""
     return x.device.type == "cpu" and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
 

@@ -7,8 +7,9 @@ Model differences are parameters, not copies:
   round once). The two round differently in bf16, so each model gets its own cast order.
 
 CPU path: the ops are `triton_op`s whose body on a non-CUDA tensor is the reference, so under
-torch.compile Inductor traces the reference and fuses it into one C++ loop per row. That beat an
-opaque call on CPU (see benchmarks/cpu_op_paths.py); on CUDA the body is the Triton kernel.
+torch.compile Inductor traces the reference and fuses it into one C++ loop per row, which also fuses
+with its neighbours; an opaque call cannot (it beat one in a scratch timing when this op was written;
+no committed benchmark). On CUDA the body is the Triton kernel.
 """
 from __future__ import annotations
 

@@ -139,9 +139,9 @@ if HAS_TRITON:
                       HAS_BIAS: tl.constexpr, DOT_F32: tl.constexpr, PARTIAL_SUMS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         # PARTIAL_SUMS (fp32 outputs): each K block's dot starts from zero and is scaled into the
-        # total, so no fp32 FMA chain is longer than BLOCK_K; one chain over all of K had 10x
-        # cuBLAS's error at K = 4096 on an H200. The multiply between the dot and the add keeps
-        # Triton from folding the add back into the dot's accumulator.
+        # total, so no fp32 FMA chain is longer than BLOCK_K; one chain over all of K had an order of
+        # magnitude more error than cuBLAS at large K (docs/performance.md#gpu-kernels). The multiply
+        # between the dot and the add keeps Triton from folding the add back into the dot's accumulator.
         rm, rn, x_rows, w_cols = _tile_ptrs(x_ptr, w_ptr, M, N, stride_xm, stride_wn, BLOCK_M, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         col_scale = tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
@@ -210,8 +210,9 @@ if HAS_TRITON:
             w = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & (rn < N)[None, :], other=0.0)
             # out_dtype named: triton 3.6 defaults it to fp32 and rejects the int32 accumulator
             # FP8: sm_90's tensor cores accumulate fp8 products in ~14 bits, and Triton's default
-            # there (max_num_imprecise_acc 2**30) never moves them to fp32: 0.4% error at K = 1024
-            # on an H200. 32 (one wgmma's K) adds every instruction's sum into the fp32 accumulator.
+            # there (max_num_imprecise_acc 2**30) never moves them to fp32, and the error grows with K
+            # (docs/performance.md#gpu-kernels). 32 (one wgmma's K) adds every instruction's sum into
+            # the fp32 accumulator.
             acc = tl.dot(a, w, acc, out_dtype=acc.dtype, max_num_imprecise_acc=32 if FP8 else None)
         if A_STATIC:
             row_scale = a_scale
