@@ -62,3 +62,23 @@ def no_fallbacks():
 
     with NoFallbacks(require_graph=False) as nf:
         yield nf
+
+
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true",
+                     help="also run the tests marked slow: real models, full-model compiles, measurements")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The default run is the fast set (what CI runs); `--slow` or an explicit `-m` adds the rest."""
+    if config.getoption("--slow") or config.getoption("markexpr"):
+        return
+    slow = [item for item in items if "slow" in item.keywords]
+    if slow:
+        items[:] = [item for item in items if "slow" not in item.keywords]
+        config.hook.pytest_deselected(items=slow)
+
+
+def pytest_report_header(config):
+    if not (config.getoption("--slow") or config.getoption("markexpr")):
+        return "fast set: tests marked slow are deselected (run them with --slow)"
