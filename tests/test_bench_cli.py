@@ -81,6 +81,7 @@ def test_each_fastflow_options_value_is_a_row_of_its_own():
     assert label(todo[2]) == "bfloat16 int8 fastflow int8_activations=int16 b1 p16"
 
 
+@pytest.mark.slow  # measured cost and the fast set's budget: docs/testing.md
 def test_kv_cache_dtype_rows_report_their_cache_memory(tiny_folder, tmp_path):
     """One fastflow row per --kv-cache-dtype value; an int8 cache's rows (16 values + a 4-byte scale)
     take 20/64 of the fp32 cache's bytes."""
@@ -146,6 +147,7 @@ def test_tiny_model_end_to_end(tiny_folder, tmp_path):
     assert "| configuration |" in out.with_suffix(".md").read_text()
 
 
+@pytest.mark.slow  # measured cost and the fast set's budget: docs/testing.md
 def test_tiny_model_fastflow_and_int8_rows(tiny_folder, tmp_path):
     """The rows the benchmark exists for: fastflow (optimize() with its defaults) and an int8 model
     under fastflow, each next to eager of the same dtype, each verified before it is timed."""
@@ -276,6 +278,7 @@ def test_left_padded_batches_hold_prompts_of_different_lengths():
     assert run["rows_equal"] is None and run["tokens"] == time_generate(model, ids[:1], 5)["tokens"]
 
 
+@pytest.mark.slow  # measured cost and the fast set's budget: docs/testing.md
 def test_sequential_schedule_runs_one_process_at_a_time(tiny_folder, tmp_path):
     out = tmp_path / "seq"
     proc = _bench("--model", str(tiny_folder), "--backends", "eager", "--dtypes", "float32", "--prompt-lens", "4",
@@ -393,6 +396,7 @@ def test_interleaving_falls_back_to_sequential_where_memory_is_short(tmp_path, m
     assert choose_schedule("interleaved", cfgs, logged.append) == "interleaved"  # CPU runs ignore the GPU
 
 
+@pytest.mark.slow  # measured cost and the fast set's budget: docs/testing.md
 def test_tensor_parallel_rows_run_under_torchrun_and_report_the_all_reduce(tiny_folder, tmp_path):
     """--tp 1 2: the split rows run as 2 ranks (rank 0 answers, the others follow its requests), make the
     whole model's greedy tokens and report one all-reduce's time and its share of a decode step."""
@@ -423,6 +427,7 @@ def test_worker_command_and_rank_errors():
     assert error_line(stderr) == "ValueError: heads=9 does not divide by 2"
 
 
+@pytest.mark.slow  # measured cost and the fast set's budget: docs/testing.md
 def test_onnxruntime_rows_time_the_export_beside_eager(tiny_folder, tmp_path, monkeypatch):
     """The export is written once into the cache (FFL_CACHE_DIR), timed in the same rounds, its tokens
     compared with eager's; bfloat16 rows are skipped in one line (ONNX Runtime's CPU has no bf16)."""

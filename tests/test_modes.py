@@ -1,10 +1,10 @@
 """Every torch.compile mode through every way in: `torch.compile(model, backend="fastflow", mode=...)`,
 `model.compile(backend="fastflow", mode=...)` and transformers' `CompileConfig(backend="fastflow")`
 (whose default mode is "reduce-overhead"), on tiny models of the 8 architectures: greedy tokens in
-fp32 equal eager. In the suite each (architecture, mode) pair runs once, the way in rotating with
-them, so every mode meets every way in and every architecture meets every mode; FFL_FULL_MODE_MATRIX=1
-runs the whole product (96 compiles, ~8 min on 2 cores: more than the suite's budget; its last run is
-benchmarks/results/modes_full_matrix_cpu.log)."""
+fp32 equal eager. With --slow each (architecture, mode) pair runs once, the way in rotating with
+them, so every mode meets every way in and every architecture meets every mode; the fast set keeps one
+architecture per mode, every way in among them (FAST_CASES). FFL_FULL_MODE_MATRIX=1 runs the whole
+product (96 compiles, ~8 min on 2 cores; its last run is benchmarks/results/modes_full_matrix_cpu.log)."""
 import os
 
 import pytest
@@ -22,6 +22,10 @@ CASES = ([(arch, mode, entry) for arch in ARCHS for mode in MODES for entry in E
          if os.environ.get("FFL_FULL_MODE_MATRIX") == "1" else
          [(arch, mode, ENTRIES[(a + m) % len(ENTRIES)])
           for a, arch in enumerate(ARCHS) for m, mode in enumerate(MODES)])
+# The fast set: every mode and every way in at least once, on four architectures (cases of CASES).
+FAST_CASES = {("llama", "default", "torch.compile"), ("gpt2", "reduce-overhead", "model.compile"),
+              ("qwen3", "max-autotune", "CompileConfig"), ("gemma", "max-autotune-no-cudagraphs", "model.compile")}
+assert FAST_CASES <= set(CASES)
 
 
 def _static_greedy(model, ids):
@@ -56,7 +60,8 @@ def _compiled_greedy(model, ids, mode, entry):
     return _static_greedy(model, ids)
 
 
-@pytest.mark.parametrize("arch,mode,entry", CASES, ids=[f"{a}-{m}-{e}" for a, m, e in CASES])
+@pytest.mark.parametrize("arch,mode,entry", [c if c in FAST_CASES else pytest.param(*c, marks=pytest.mark.slow)
+                                              for c in CASES], ids=[f"{a}-{m}-{e}" for a, m, e in CASES])
 def test_mode_generates_eager_tokens(arch, mode, entry):
     model = tiny_model(arch)
     ids = torch.randint(3, 128, (1, 7))

@@ -72,25 +72,20 @@ def test_pipeline_runs_compiled_after_optimize(smollm2):
         pipe(PROMPT, max_new_tokens=4096)
 
 
-# Greedy tokens of optimize()'s bf16 and quantized SmolLM2 against bf16 eager (HF defaults), AGREE_NEW
-# new tokens after each of AGREE_PROMPTS. bf16 weights ("bf16", and with an int8 KV cache "kv-int8"):
-# each row may leave eager's path only where eager's own top-2 logits are closer than the variant's
-# error can move them -- TIE_TOLERANCE, relative to the logit: bf16 rounds each logit by half a unit
-# in the last of its 8 bits (2**-9 relative), two of them and a differently ordered sum of the same
-# bf16 products round to 2**-7; an int8 KV cache adds its rounding step, half of 1/127 of each row's
-# largest value, to every K and V element, allowed once per side (2/127). A different CPU picks
-# different kernels and so a different side of a tie: on an AMD EPYC (Zen 4) "kv-int8" leaves eager's
-# third row at token 5, where eager's own margin is 0.031 (a count of agreeing tokens, 0.74 there
-# against 0.89 on the Xeon, would have failed). Quantized weights ("int8", "int4-all") move logits by
-# more than their rounding alone explains, so those keep agreement bars just below what they measured,
-# the same on the Xeon and the EPYC (`pytest -q -s tests/test_optimize.py -k agreement`): int8 0.67
-# (48/72; first divergences [19, 24, 5]), int4-all 0.43 (31/72; [5, 13, 5]). Compiled in mode
-# "default": the kernels and numerics of optimize()'s "reduce-overhead" (which adds the C++ wrapper
-# only), ~15 s less compile per model. ~95 s with Inductor's on-disk caches cold, ~40 s warm.
+# Greedy tokens of optimize()'s bf16 SmolLM2 against bf16 eager (HF defaults), AGREE_NEW new tokens
+# after each of AGREE_PROMPTS. bf16 weights ("bf16", and with an int8 KV cache "kv-int8"): each row may
+# leave eager's path only where eager's own top-2 logits are closer than the variant's error can move
+# them -- TIE_TOLERANCE, relative to the logit: bf16 rounds each logit by half a unit in the last of its
+# 8 bits (2**-9 relative), two of them and a differently ordered sum of the same bf16 products round to
+# 2**-7; an int8 KV cache adds its rounding step, half of 1/127 of each row's largest value, to every K
+# and V element, allowed once per side (2/127). A different CPU picks different kernels and so a
+# different side of a tie, which a count of agreeing tokens would fail on. Quantized weights move logits
+# by more than their rounding alone explains: how often they agree is a measurement
+# (benchmarks/greedy_agreement.py), not a test. Compiled in mode "default": the kernels and numerics of
+# optimize()'s "reduce-overhead" (which adds the C++ wrapper only), ~15 s less compile per model.
 AGREE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
 AGREE_NEW = 24
 TIE_TOLERANCE = {"bf16": 2 ** -7, "kv-int8": 2 ** -7 + 2 / 127}
-AGREE_BARS = {"int8": 0.6, "int4-all": 0.4}
 
 
 def _greedy_rows(model, rows):
@@ -117,23 +112,20 @@ def _first_divergence(fast, eager) -> int:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", [*TIE_TOLERANCE, *AGREE_BARS])
-def test_smollm2_bf16_and_quantized_greedy_agreement(bf16_eager, variant):
+@pytest.mark.parametrize("variant", list(TIE_TOLERANCE))
+def test_smollm2_bf16_greedy_leaves_eager_only_at_ties(bf16_eager, variant):
     rows, eager, eager_logits = bf16_eager
     model, _ = ffl_backend.load_smollm2(torch.bfloat16)
     with NoFallbacks():
         kv = variant[3:] if variant.startswith("kv-") else None  # bf16 weights, a quantized KV cache
         ffl_backend.optimize(model, max_seq_len=64, mode="default", kv_cache_dtype=kv,
-                             quant=None if variant in TIE_TOLERANCE else variant)
+                             quant=None)
         fast = _greedy_rows(model, rows)
     same = sum(int((a == b).sum()) for a, b in zip(fast, eager))
     agreement = same / (AGREE_NEW * len(rows))
     prefixes = [_first_divergence(f, e) for f, e in zip(fast, eager)]
     print(f"\nSmolLM2 {variant} vs bf16 eager: agreement {agreement:.2f} ({same}/{AGREE_NEW * len(rows)}); "
           f"first divergence {prefixes}")
-    if variant in AGREE_BARS:
-        assert agreement >= AGREE_BARS[variant], (agreement, prefixes)
-        return
     for row, (i, f, e, logits) in enumerate(zip(prefixes, fast, eager, eager_logits)):
         if i == AGREE_NEW:
             continue
@@ -160,6 +152,7 @@ def test_accelerate_recipe_cpu():
     assert lines and all("equal_to_eager=True" in line for line in lines), lines
 
 
+@pytest.mark.slow  # measured cost and the fast set's budget: docs/testing.md
 def test_accelerate_recipe_two_cpu_processes():
     """Two real ranks on CPU (gloo, DDP-wrapped by prepare): the multi-process launcher plus
     ACCELERATE_USE_CPU, since `--cpu` and `--multi_gpu` are mutually exclusive flags."""

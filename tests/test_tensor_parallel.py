@@ -77,6 +77,7 @@ def _check(tmp_path, archs: list, cases: list) -> None:
                     assert got == tokens, f"{arch} {case} rank {rank}: {got}"
 
 
+@pytest.mark.slow  # measured cost and the fast set's budget: docs/testing.md
 def test_llama_two_ranks_equal_one_process_under_every_entry_point(tmp_path):
     _check(tmp_path, ["llama"], ["logits:none", "eager:none", "compile:none", "model_compile:none",
                                  "optimize:none", "compile:int8", "optimize:int8", "optimize:int4"])

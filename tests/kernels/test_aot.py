@@ -7,10 +7,13 @@ import subprocess
 import sys
 from collections import Counter
 
+import pytest
+
 from ffl_backend.kernels import triton_modules
 from ffl_backend.kernels.aot import collect_specs
 
 
+@pytest.mark.slow  # measured cost and the fast set's budget: docs/testing.md
 def test_every_kernel_config_compiles_for_sm80_and_sm90(tmp_path):
     out = tmp_path / "aot.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

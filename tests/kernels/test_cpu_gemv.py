@@ -102,7 +102,7 @@ def test_bad_operands_raise_clear_errors():
         gemv(x, [w], [torch.ones(7)], [])
 
 
-@pytest.mark.parametrize("n_weights", [1, 2])
+@pytest.mark.parametrize("n_weights", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_compiles_under_inductor_and_its_cpp_wrapper(n_weights):
     """The op inside an Inductor graph, with the Python and the C++ wrapper (torch 2.13's cpp_wrapper
     crashed on a custom op returning a one-element tensor list: the op returns one tensor)."""

@@ -86,7 +86,7 @@ def _calls(fn, op: str) -> int:
     return sum(e.count for e in prof.key_averages() if e.key == op)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)])
 def test_int16_option_decodes_through_gemv_q16(dtype):
     """A tiny int8-all Llama with int8_activations="int16": every decode linear (q/k/v, o, gate/up,
     down grouped per layer, and the lm_head) calls gemv_q16, none gemv; the logits stay within the

@@ -32,6 +32,7 @@ def _cpu_has(flags) -> bool:
     return all(f in words for f in flags)
 
 
+@pytest.mark.slow  # a library build per ISA, each in its own process (~60 s each): docs/testing.md
 @pytest.mark.parametrize("march", sorted(LEVELS))
 def test_other_instruction_set_paths_match_the_reference(march):
     if not _cpu_has(LEVELS[march]):

@@ -31,7 +31,8 @@ def onnx_greedy(folder, ids, model):
     return OnnxCausalLM(folder).generate(ids, NEW_TOKENS, eos_token_id=model.generation_config.eos_token_id)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+# The fast set exports one architecture; --slow every one (docs/testing.md).
+@pytest.mark.parametrize("arch", [a if a == "llama" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
 def test_every_architecture_exports_and_generates_eagers_tokens(arch, tmp_path):
     model = tiny_model(arch)
     export_onnx(model, tmp_path)
@@ -55,7 +56,7 @@ def test_sliding_window_is_honoured(tmp_path):
     assert (logits[0, -1] - unwindowed[0, -1]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("quant", ["int4", "int8-all"])
+@pytest.mark.parametrize("quant", ["int4", pytest.param("int8-all", marks=pytest.mark.slow)])
 def test_quantized_export_is_fastflows_quantized_model(quant, tmp_path):
     """Float activations (level 0): the export computes exactly fastflow's weights; the default level 4
     (int8 activations) is checked by export_onnx itself against the same rounding in PyTorch (the
