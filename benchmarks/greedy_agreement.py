@@ -1,9 +1,10 @@
 """How often `optimize()`'s bf16 and quantized SmolLM2 pick the same greedy tokens as bf16 eager.
 
 For each variant -- bf16 weights ("bf16"), bf16 weights over an int8 or fp8 KV cache ("kv-int8",
-"kv-fp8"), int8 and int4 weights ("int8", "int4-all") -- the share of AGREE_NEW new tokens after each
-of PROMPTS that equal unpatched bf16 eager's (HF defaults), and where each row first leaves eager's
-path, with eager's own top-2 logit margin there (a small margin: a tie that any rounding may break).
+"kv-fp8"), int8 and int4 weights ("int8", "int4-all") -- the share of NEW_TOKENS new tokens after each
+of PROMPTS (ffl_backend/bench/agreement.py) that equal unpatched bf16 eager's (HF defaults), and where
+each row first leaves eager's path, with eager's own top-2 logit margin there (a small margin: a tie
+that any rounding may break).
 
     .venv/bin/python benchmarks/greedy_agreement.py --out greedy_agreement_smollm2_cpu_<cpu>
 
@@ -20,35 +21,13 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
-AGREE_NEW = 24
 VARIANTS = {"bf16": {}, "kv-int8": {"kv_cache_dtype": "int8"}, "kv-fp8": {"kv_cache_dtype": "fp8"},
             "int8": {"quant": "int8"}, "int4-all": {"quant": "int4-all"}}
 
 
-def greedy_rows(model, rows: list) -> list:
-    with torch.inference_mode():
-        return [model.generate(ids, max_new_tokens=AGREE_NEW, min_new_tokens=AGREE_NEW,
-                               do_sample=False)[0, ids.shape[1]:] for ids in rows]
-
-
-def eager_reference(load) -> tuple:
-    """(prompt ids, bf16 eager tokens per prompt, eager's logits at each new token's position)."""
-    model, tokenizer = load(torch.bfloat16)
-    rows = [tokenizer(p, return_tensors="pt").input_ids for p in PROMPTS]
-    tokens = greedy_rows(model, rows)
-    with torch.inference_mode():
-        logits = [model(torch.cat([ids[0], new])[None]).logits[0, ids.shape[1] - 1:-1].float()
-                  for ids, new in zip(rows, tokens)]
-    return rows, tokens, logits
-
-
-def first_divergence(fast, eager) -> int:
-    return next((i for i in range(AGREE_NEW) if fast[i] != eager[i]), AGREE_NEW)
-
-
 def measure(variant: str, load, reference: tuple) -> dict:
     import ffl_backend
+    from ffl_backend.bench.agreement import first_divergence, greedy_rows
 
     rows, eager, logits = reference
     model, _ = load(torch.bfloat16)
@@ -59,10 +38,10 @@ def measure(variant: str, load, reference: tuple) -> dict:
     divergences = []
     for f, e, lg in zip(fast, eager, logits):
         i = first_divergence(f, e)
-        margin = None if i == AGREE_NEW else round(float(lg[i, e[i]] - lg[i, f[i]]), 4)
+        margin = None if i == len(e) else round(float(lg[i, e[i]] - lg[i, f[i]]), 4)
         divergences.append({"first_divergence": i, "eager_margin_there": margin})
-    return {"variant": variant, "agreement": round(same / (AGREE_NEW * len(rows)), 3), "agreeing_tokens": same,
-            "tokens": AGREE_NEW * len(rows), "rows": divergences}
+    return {"variant": variant, "agreement": round(same / sum(len(e) for e in eager), 3), "agreeing_tokens": same,
+            "tokens": sum(len(e) for e in eager), "rows": divergences}
 
 
 def main() -> None:
@@ -71,9 +50,10 @@ def main() -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = parser.parse_args()
     import ffl_backend
+    from ffl_backend.bench.agreement import NEW_TOKENS, PROMPTS, reference_rows
     from ffl_backend.bench.grid import environment
 
-    reference = eager_reference(ffl_backend.load_smollm2)
+    reference = reference_rows(*ffl_backend.load_smollm2(torch.bfloat16))
     results = []
     for variant in args.variants:
         results.append(measure(variant, ffl_backend.load_smollm2, reference))
@@ -83,7 +63,7 @@ def main() -> None:
     out = ROOT / "benchmarks" / "results" / f"{args.out}.json"
     command = f"python benchmarks/greedy_agreement.py --out {args.out}"
     out.write_text(json.dumps({"environment": environment(), "model": "SmolLM2-135M", "reference": "bf16 eager",
-                               "prompts": PROMPTS, "new_tokens": AGREE_NEW, "command": command,
+                               "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "command": command,
                                "results": results}, indent=1))
 
 

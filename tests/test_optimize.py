@@ -9,6 +9,9 @@ import pytest
 import torch
 
 import ffl_backend
+from ffl_backend.bench.agreement import NEW_TOKENS as AGREE_NEW
+from ffl_backend.bench.agreement import PROMPTS as AGREE_PROMPTS
+from ffl_backend.bench.agreement import first_divergence, greedy_rows, reference_rows
 from tests.helpers import NoFallbacks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -83,32 +86,14 @@ def test_pipeline_runs_compiled_after_optimize(smollm2):
 # by more than their rounding alone explains: how often they agree is a measurement
 # (benchmarks/greedy_agreement.py), not a test. Compiled in mode "default": the kernels and numerics of
 # optimize()'s "reduce-overhead" (which adds the C++ wrapper only), ~15 s less compile per model.
-AGREE_PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
-AGREE_NEW = 24
 TIE_TOLERANCE = {"bf16": 2 ** -7, "kv-int8": 2 ** -7 + 2 / 127}
-
-
-def _greedy_rows(model, rows):
-    with torch.inference_mode():
-        return [model.generate(ids, max_new_tokens=AGREE_NEW, min_new_tokens=AGREE_NEW,
-                               do_sample=False)[0, ids.shape[1]:] for ids in rows]
 
 
 @pytest.fixture(scope="module")
 def bf16_eager():
     """(prompt ids, bf16 eager greedy tokens per prompt, eager's logits at each new token's position):
     unpatched SmolLM2 with HF's defaults."""
-    model, tokenizer = ffl_backend.load_smollm2(torch.bfloat16)
-    rows = [tokenizer(p, return_tensors="pt").input_ids for p in AGREE_PROMPTS]
-    tokens = _greedy_rows(model, rows)
-    with torch.inference_mode():
-        logits = [model(torch.cat([ids[0], new])[None]).logits[0, ids.shape[1] - 1:-1].float()
-                  for ids, new in zip(rows, tokens)]
-    return rows, tokens, logits
-
-
-def _first_divergence(fast, eager) -> int:
-    return next((i for i in range(AGREE_NEW) if fast[i] != eager[i]), AGREE_NEW)
+    return reference_rows(*ffl_backend.load_smollm2(torch.bfloat16), AGREE_PROMPTS, AGREE_NEW)
 
 
 @pytest.mark.slow
@@ -120,10 +105,10 @@ def test_smollm2_bf16_greedy_leaves_eager_only_at_ties(bf16_eager, variant):
         kv = variant[3:] if variant.startswith("kv-") else None  # bf16 weights, a quantized KV cache
         ffl_backend.optimize(model, max_seq_len=64, mode="default", kv_cache_dtype=kv,
                              quant=None)
-        fast = _greedy_rows(model, rows)
+        fast = greedy_rows(model, rows, AGREE_NEW)
     same = sum(int((a == b).sum()) for a, b in zip(fast, eager))
     agreement = same / (AGREE_NEW * len(rows))
-    prefixes = [_first_divergence(f, e) for f, e in zip(fast, eager)]
+    prefixes = [first_divergence(f, e) for f, e in zip(fast, eager)]
     print(f"\nSmolLM2 {variant} vs bf16 eager: agreement {agreement:.2f} ({same}/{AGREE_NEW * len(rows)}); "
           f"first divergence {prefixes}")
     for row, (i, f, e, logits) in enumerate(zip(prefixes, fast, eager, eager_logits)):

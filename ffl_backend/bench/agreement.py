@@ -1,0 +1,33 @@
+"""Greedy tokens of a model against a reference's: the rows, the reference's logits, where they part.
+
+Used by benchmarks/greedy_agreement.py (how often optimize()'s variants agree with bf16 eager) and by
+tests/test_optimize.py (bf16 may leave eager's path only at a tie its rounding explains).
+"""
+from __future__ import annotations
+
+import torch
+
+PROMPTS = ("The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,")
+NEW_TOKENS = 24
+
+
+def greedy_rows(model, rows: list, new_tokens: int = NEW_TOKENS) -> list:
+    """The `new_tokens` greedy tokens `model.generate` appends to each (1, L) prompt of `rows`."""
+    with torch.inference_mode():
+        return [model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                               do_sample=False)[0, ids.shape[1]:] for ids in rows]
+
+
+def reference_rows(model, tokenizer, prompts=PROMPTS, new_tokens: int = NEW_TOKENS) -> tuple:
+    """(prompt ids, the model's greedy tokens per prompt, its fp32 logits at each new token's position)."""
+    rows = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
+    tokens = greedy_rows(model, rows, new_tokens)
+    with torch.inference_mode():
+        logits = [model(torch.cat([ids[0], new])[None]).logits[0, ids.shape[1] - 1:-1].float()
+                  for ids, new in zip(rows, tokens)]
+    return rows, tokens, logits
+
+
+def first_divergence(tokens, reference) -> int:
+    """The index of the first token that differs from the reference's (its length: none)."""
+    return next((i for i in range(len(reference)) if tokens[i] != reference[i]), len(reference))
