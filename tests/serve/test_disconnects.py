@@ -58,7 +58,8 @@ def test_dropped_streams_and_hung_up_clients_are_cancelled_and_free_their_blocks
         stats = engine.scheduler.stats
         cancelled_before, free_before = stats["cancelled"], engine.scheduler.allocator.free
         body = {"prompt": WORDS, "max_tokens": 60, "temperature": 0, "ignore_eos": True, "stream": True}
-        socks = [open_stream(served.port, body) for _ in range(32)]
+        dropped = set(range(0, 32, 4))  # 8 of 32, the longest requests: still running when dropped
+        socks = [open_stream(served.port, {**body, "max_tokens": 100} if i in dropped else body) for i in range(32)]
         hangups = [open_stream(served.port, {**body, "stream": False, "max_tokens": 100}) for _ in range(4)]
         deadline = time.monotonic() + 30
         while served.state.in_flight < 36:  # all submitted
@@ -66,26 +67,25 @@ def test_dropped_streams_and_hung_up_clients_are_cancelled_and_free_their_blocks
             time.sleep(0.01)
         for sock in hangups:  # queued behind 32 streams of 60 tokens
             drop(sock, reset=False)
-        done = {}
+        done, drops = {}, {}
 
-        def finish(i):
-            done[i] = read_events(socks[i])
-
-        dropped = set(range(0, 32, 4))  # 8 of 32
-        readers = []
-        for i, sock in enumerate(socks):
+        def client(i):  # one thread each: a stream is dropped right after its second token, whenever it runs
             if i in dropped:
-                assert len(read_events(sock, count=2)) == 2  # running: two tokens in
-                drop(sock, reset=(i // 4) % 2 == 0)
+                drops[i] = len(read_events(socks[i], count=2))  # running: two tokens in
+                drop(socks[i], reset=(i // 4) % 2 == 0)
             else:
-                readers.append(threading.Thread(target=finish, args=(i,)))
-                readers[-1].start()
+                done[i] = read_events(socks[i])
+
+        readers = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+        for t in readers:
+            t.start()
         for t in readers:
             t.join(60)
         deadline = time.monotonic() + 30
         while served.state.in_flight > 0 and time.monotonic() < deadline:
             time.sleep(0.05)
         assert served.state.in_flight == 0
+        assert drops == {i: 2 for i in dropped}
         assert stats["cancelled"] - cancelled_before == 12
         assert all(events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
                    for events in done.values()) and len(done) == 24
