@@ -1,10 +1,11 @@
 """The CPU decode kernels one call at a time, for A/B runs across versions of the library:
-`decode_attention` (SmolLM2-135M's 9/3 heads of 64, Gemma-3-270M's 4/1 of 256; batch 1 and 4; 48,
+`attention_decode` (SmolLM2-135M's 9/3 heads of 64, Gemma-3-270M's 4/1 of 256; batch 1 and 4; 48,
 300 and 1000 filled slots of a 2048-slot bf16 cache) and the small-batch GEMVs on a weight that sits
 in L2 (1024 x 576; `gemv_q16` int8 and `gemv` bf16 with bf16 x; 1, 2, 4 and 8 rows; one thread), so
 that the arithmetic, not the memory stream, is what is timed. Median microseconds per call of 5
-rounds. The ops' signatures are the same in every version since the library gained gemv_q16, so an
-older checkout can run this file:
+rounds. The ops' signatures are the same in every version since the library gained gemv_q16 (the
+attention op was called `decode_attention` before 2026-12-06; either name is used), so an older
+checkout can run this file:
 
     python benchmarks/cpu_decode_kernels.py --label after --out FILE.json
     PYTHONPATH=<old checkout> FFL_CACHE_DIR=<fresh dir> \
@@ -35,6 +36,7 @@ def per_call_us(fn, calls: int, rounds: int = 5) -> float:
 
 def attention_rows() -> dict:
     ops, out = torch.ops.fastflow_cpu, {}
+    attend = ops.attention_decode if hasattr(ops, "attention_decode") else ops.decode_attention
     for name, (hq, hkv, d) in ATTENTION_SHAPES.items():
         for batch in (1, 4):
             q = torch.randn(batch, hq, 1, d, dtype=torch.bfloat16)
@@ -43,7 +45,7 @@ def attention_rows() -> dict:
             for filled in (48, 300, 1000):
                 f = torch.tensor(filled)
                 out[f"{name} b{batch} filled {filled}"] = per_call_us(
-                    lambda: ops.decode_attention(q, k, v, f, d ** -0.5, 0, None), calls=300)
+                    lambda: attend(q, k, v, f, d ** -0.5, 0, None), calls=300)
     return out
 
 

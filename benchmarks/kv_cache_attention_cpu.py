@@ -1,5 +1,5 @@
 """Decode attention over a bf16 vs int8 vs fp8 (e4m3) KV cache on CPU: the C++ kernel
-(`fastflow_cpu::decode_attention`, kernels/cpu_attention.cpp) at SmolLM2-135M's shape (9 query heads,
+(`fastflow_cpu::attention_decode`, kernels/cpu_attention.cpp) at SmolLM2-135M's shape (9 query heads,
 3 KV heads, head dim 64), one new token, at several filled lengths and batch sizes; and the cache's
 bytes. Interleaved rounds, median of each.
 
@@ -47,7 +47,7 @@ def main() -> None:
         for length in args.lengths:
             q = torch.randn(batch, 9, 1, 64, dtype=torch.bfloat16)
             filled = torch.tensor(length)
-            calls = {name: (lambda c=_caches(batch, length, fmt): torch.ops.fastflow_cpu.decode_attention(
+            calls = {name: (lambda c=_caches(batch, length, fmt): torch.ops.fastflow_cpu.attention_decode(
                 q, c[0], c[1], filled, 0.125, 0, None)) for name, fmt in FORMATS.items()}
             n = max(20, 200_000 // (batch * length))
             times = {name: [] for name in calls}

@@ -151,9 +151,9 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
     share_fused_storage(model)
     configure_generate(model, backend="fastflow", options=backend_options, max_cache_len=max_seq_len, mode=mode)
     if next(model.parameters()).device.type == "cpu":
-        from .kernels import cpu_lib  # built and tuned now: nothing is timed while compiling
+        from .kernels import cpu_gemv  # built and tuned now: nothing is timed while compiling
 
-        cpu_lib.load()
+        cpu_gemv.ready()
         prompt_linears.pretune(model)  # the rows from which prompts take fastflow's GEMM, per shape
     else:
         from .quant.modules import pretune_linears  # the Triton tiles of decode's shape, likewise

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .patterns.registry import pattern_families, unknown_families
+from .patterns.registry import current_name, pattern_families, unknown_families
 
 CPU_GEMV_CHOICES = ("auto", "kernel", "loops")
 INT8_ACTIVATION_CHOICES = ("auto", "float", "int16")
@@ -132,7 +132,7 @@ class BackendOptions:
 
 def _families(key: str, names) -> tuple:
     """A `patterns`/`disable_patterns` value as a tuple of known families (a lone string is one name)."""
-    names = (names,) if isinstance(names, str) else tuple(names)
+    names = tuple(map(current_name, (names,) if isinstance(names, str) else names))
     bad = unknown_families(names)
     if bad:
         raise ValueError(f"fastflow: {key}: unknown pattern families {bad}; known: {pattern_families()}")

@@ -24,7 +24,7 @@ import torch
 
 from . import replay
 from .generation import cache_kwarg
-from .kernels import cpu_lib
+from .kernels import cpu_argmax as cpu_argmax_op
 
 logger = logging.getLogger("ffl_backend")
 
@@ -72,11 +72,11 @@ def _unsupported(model, gc, model_kwargs, extra) -> str | None:
 def decode_step(model, input_ids, attention_mask, position_ids, cache, keep: dict, cpu_argmax: bool,
                 cache_kw: str = "cache"):
     """One decode step: the newest position's logits and their argmax, both inside the compiled graph
-    (torch's argmax over a vocabulary is not vectorized on CPU; fastflow_cpu::argmax is, cpu_argmax.cpp).
+    (on CPU fastflow_cpu::argmax, kernels/cpu_argmax.py).
     `cache_kw`: the name the model's forward takes the cache by (generation.cache_kwarg)."""
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                    use_cache=True, **{cache_kw: cache}, **keep).logits[:, -1]
-    return logits, (torch.ops.fastflow_cpu.argmax(logits) if cpu_argmax else logits.argmax(-1))
+    return logits, cpu_argmax_op.greedy_token(logits, cpu_argmax)
 
 
 class DecodeLoop:
@@ -177,8 +177,8 @@ class DecodeLoop:
             streamer.put(ids.cpu())
         logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
                        use_cache=True, **{self._cache_kw: cache}, **self._keep).logits[:, -1]
-        cpu_argmax = ids.device.type == "cpu" and cpu_lib.load()
-        best = torch.ops.fastflow_cpu.argmax(logits) if cpu_argmax else logits.argmax(-1)
+        cpu_argmax = cpu_argmax_op.applies(ids)
+        best = cpu_argmax_op.greedy_token(logits, cpu_argmax)
         inputs = dict(input_ids=ids.new_zeros((batch, 1)), attention_mask=self._decode_mask(ids, attention_mask),
                       position_ids=ids.new_empty((batch, 1)).copy_(positions[:, -1:]),  # fixed strides
                       cache=cache, keep=self._keep, cpu_argmax=cpu_argmax, cache_kw=self._cache_kw)

@@ -104,7 +104,7 @@ def fastflow_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
         # On CPU the C++ kernel is called directly, not through the Python op around it: one
         # dispatcher call per layer in the compiled decode step (under cpp_wrapper a C++ call).
         if not cap and _cpu_kernel["built"] and _decode.cpu_kernel_fits(query, key):
-            out = torch.ops.fastflow_cpu.decode_attention(query, key, value, filled, scale, window, mask)
+            out = torch.ops.fastflow_cpu.attention_decode(query, key, value, filled, scale, window, mask)
         else:
             out = torch.ops.fastflow.attention_decode(query, key, value, filled, scale, window, mask, cap)
     return out.transpose(1, 2), None

@@ -101,6 +101,7 @@ def test_only_skipped_configurations(tiny_folder):
                     "skipped", "bfloat16")
 
 
+@pytest.mark.slow
 def test_tiny_model_end_to_end(tiny_folder, tmp_path):
     out = tmp_path / "res" / "tiny"
     proc = _bench("--model", str(tiny_folder), "--backends", "eager", "inductor", "--dtypes", "float32",

@@ -12,7 +12,7 @@ CPU path, chosen by measurement (benchmarks/attention_cpu_paths.py): slicing the
 filled length and calling SDPA with GQA beats a masked SDPA over the whole cache, eager or compiled
 (HF's sdpa + static cache path), because it reads only the filled slots. So the op is an opaque
 `custom_op` (the data-dependent slice is legal inside it; Inductor could not trace it without an
-unbacked size). Its CPU body runs the C++ kernel `fastflow_cpu::decode_attention`
+unbacked size). Its CPU body runs the C++ kernel `fastflow_cpu::attention_decode`
 (kernels/cpu_attention.cpp) for up to CPU_KERNEL_MAX_ROWS query rows per KV head -- it reads only the
 filled slots with no slice, mask copy or SDPA call -- and slices + SDPA with `enable_gqa` beyond that.
 Soft-capped calls (no C++ or SDPA support) take prefill.capped_attention over the filled slots.
@@ -195,7 +195,14 @@ def attention_decode_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled:
     return out
 
 
-# Query rows per KV head up to which the C++ kernel (fastflow_cpu::decode_attention) serves a CPU
+@cpu_lib.fake("attention_decode")
+def _fake_attention_decode_cpu_kernel(q: Tensor, k_cache, v_cache, filled, scale, window, mask) -> Tensor:
+    # (B, Lq, Hq, D) memory seen as (B, Hq, Lq, D), as the kernel returns it
+    b, hq, lq, d = q.shape
+    return q.new_empty((b, lq, hq, d)).transpose(1, 2)
+
+
+# Query rows per KV head up to which the C++ kernel (fastflow_cpu::attention_decode) serves a CPU
 # call; longer blocks (prompts) go to SDPA, whose tiled kernels are faster there.
 CPU_KERNEL_MAX_ROWS = 64
 
@@ -216,7 +223,7 @@ def attention_decode_cpu(q: Tensor, k_cache: Tensor, v_cache: Tensor, filled: Te
         ok = ok if mask is None else ok & mask[..., :n].to(torch.bool)
         return capped_attention(q, *dequantized(q, k_cache[:, :, :n], v_cache[:, :, :n]), scale, softcap, ok)
     if cpu_kernel_fits(q, k_cache) and cpu_lib.load():
-        return torch.ops.fastflow_cpu.decode_attention(q, k_cache, v_cache, filled, scale, window, mask).contiguous()
+        return torch.ops.fastflow_cpu.attention_decode(q, k_cache, v_cache, filled, scale, window, mask).contiguous()
     n = int(filled)  # a CPU tensor: no device sync
     q_len = q.shape[2]
     k, v = dequantized(q, k_cache[:, :, :n], v_cache[:, :, :n])  # only the filled slots are widened

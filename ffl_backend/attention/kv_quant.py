@@ -66,6 +66,11 @@ def row_bytes(head_dim: int, dtype) -> int:
     return head_dim * torch.empty((), dtype=dtype).element_size()
 
 
+@cpu_lib.fake("quantize_kv")
+def _fake_quantize_kv(x: Tensor, fp8: bool) -> Tensor:
+    return x.new_empty((*x.shape[:-1], -(-x.shape[-1] // 4) * 4 + 4), dtype=torch.int8)
+
+
 def quantize_kv_bytes(x: Tensor, dtype: torch.dtype) -> Tensor:
     """(..., D) float -> (..., packed_width(D)) int8 bytes of the packed rows (module docstring).
     Byte rows let callers write into a cache through an int8 view: CPU torch has no index_copy_ for fp8.

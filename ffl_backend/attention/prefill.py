@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels import cpu_gemm
+from ..kernels import cpu_gemm, cpu_lib
 from ..kernels._triton import HAS_TRITON, AotSpec, interpreting, launch, on_triton_device, ptr, tl, triton
 from .kv_quant import dequantized, triton_kv_args
 from .reference import visible
@@ -215,6 +215,11 @@ def capped_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: flo
         s = s.masked_fill(~ok, float("-inf"))
     p = torch.softmax(s, -1).nan_to_num(0.0).view(bsz, n_kv, n_heads // n_kv * q_len, -1)
     return (p @ v.to(acc)).view(q.shape).to(q.dtype)
+
+
+@cpu_lib.fake("prefill_attention")
+def _fake_prefill_attention(q: Tensor, k, v, scale: float, window: int) -> Tensor:
+    return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
 def tiles_on_cpu(q: Tensor, k: Tensor) -> bool:

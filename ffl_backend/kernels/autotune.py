@@ -6,6 +6,10 @@ then read from $FFL_CACHE_DIR/autotune.json (`cached` reads without searching). 
 the search off: the first candidate (the built-in default) serves. A file that cannot be read is set
 aside with a warning and the search runs again. Nothing is timed while torch.compile traces: a
 choice not yet cached is the default there.
+
+The searches themselves live here too, each run when asked or on the first use of its choice:
+`row_threshold` (from how many rows a prompt's linear takes another path: quant_linear's widening,
+cpu_gemm's GEMM) and `tune_prefetch` (the C++ GEMVs' prefetch distances).
 """
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -118,3 +123,82 @@ def choose(name: str, shape: tuple, candidates: Sequence, measure: Callable[[obj
     logger.info("fastflow autotune: %s -> %s (%s; cached in %s)", entry, best,
                 ", ".join(f"{c}: {t * 1e3:.3f} ms" for c, t in times.items()), cache_file())
     return best
+
+
+def seconds(fn, x, repeats: int = 3) -> float:
+    """The fastest of a few calls (after one warm-up): a search wants the kernels' cost, not noise."""
+    fn(x)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+_thresholds: dict = {}  # (name, shape, cache folder) -> rows: this process's choices
+
+
+def row_threshold(name: str, shape: tuple, choices: Sequence[int], tuning_rows: Sequence[int],
+                  make_paths: Callable[[], dict]) -> int:
+    """The row count from which a linear takes path True instead of path False: among `choices`, the
+    one whose paths cost least over a prompt of each of `tuning_rows` (bf16 rows of width shape[-1]).
+    `make_paths()` gives {False: fn(x), True: fn(x)} on a random weight of `shape`, made only when
+    the search runs. Kept in memory per process: a prompt asks once per linear, and the file lookup
+    is too slow for that."""
+    key = (name, tuple(shape), os.environ.get("FFL_CACHE_DIR"))
+    if key in _thresholds:
+        return _thresholds[key]
+    times, paths = {}, {}
+
+    def cost(threshold: int) -> float:
+        if not paths:
+            paths.update(make_paths())
+        for rows in tuning_rows:
+            for taken in (False, True):
+                if (rows, taken) not in times:
+                    times[rows, taken] = seconds(paths[taken], torch.randn(rows, shape[-1], dtype=torch.bfloat16))
+        return sum(times[rows, rows >= threshold] for rows in tuning_rows)
+
+    rows = choose(name, tuple(shape), choices, cost)
+    if not torch.compiler.is_compiling() and enabled():  # (else a default, not a choice)
+        _thresholds[key] = rows
+    return rows
+
+
+# The GEMVs' prefetch distances "near/far" in weight elements (cpu_kernels.h), the built-in default first.
+PREFETCH_CHOICES = ("2304/18432", "1152/9216", "2304/9216", "4608/18432", "2304/36864", "4608/36864")
+PREFETCH_DEFAULT_MARGIN = 0.97
+
+
+def tune_prefetch(megabytes: int = 128, rounds: int = 5) -> tuple[int, int]:
+    """Set the GEMVs' prefetch distances for this machine and return them: autotune.py's cached choice,
+    else (outside torch.compile, FFL_AUTOTUNE not 0) a timed search -- every candidate streams
+    `megabytes` of int8 rows of width 576 (more than a last-level cache holds, as a decode step's
+    weights are) through fastflow_cpu::gemv, round robin over `rounds` rounds, best time each (one
+    candidate after another drifted: whichever ran last looked fastest) -- else the default.
+    Called on the GEMVs' first use (cpu_gemv.ready), never by loading the library."""
+    times: dict = {}
+
+    def measure_all() -> None:
+        rows = max(1, megabytes * 2**20 // 576 // 8)
+        x, weights = torch.randn(1, 576), [torch.ones(rows, 576, dtype=torch.int8) for _ in range(8)]
+        for _ in range(3):  # the first passes run slower (page mappings, clocks)
+            torch.ops.fastflow_cpu.gemv(x, weights, [], [])
+        for _ in range(rounds):
+            for choice in PREFETCH_CHOICES:
+                torch.ops.fastflow_cpu.set_prefetch(*map(int, choice.split("/")))
+                start = time.perf_counter()
+                torch.ops.fastflow_cpu.gemv(x, weights, [], [])
+                times[choice] = min(times.get(choice, float("inf")), time.perf_counter() - start)
+
+    def cost(choice: str) -> float:
+        if not times:
+            measure_all()
+        # the default keeps its place unless another is more than 3% faster: closer is noise here
+        return times[choice] * (PREFETCH_DEFAULT_MARGIN if choice == PREFETCH_CHOICES[0] else 1.0)
+
+    choice = choose("cpu_gemv_prefetch", (megabytes,), PREFETCH_CHOICES, cost)
+    near, far = map(int, choice.split("/"))
+    torch.ops.fastflow_cpu.set_prefetch(near, far)
+    return near, far

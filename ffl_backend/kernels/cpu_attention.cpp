@@ -1,4 +1,4 @@
-// fastflow_cpu::decode_attention -- attention of a few new queries over a static KV cache, on CPU.
+// fastflow_cpu::attention_decode -- attention of a few new queries over a static KV cache, on CPU.
 //
 //     out = softmax(q k^T * scale + visibility) v      over the first `filled` cache slots only
 //
@@ -302,7 +302,7 @@ void merge(const std::vector<Partial>& parts, const std::vector<float>& accs, co
 }
 
 template <typename T, typename KV>
-void decode_attention_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
+void attention_decode_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask,
                            const Shape& s, const Strides& st, at::Tensor& out) {
   // Split the keys of each (batch, KV head) so that every thread has work once the cache is long.
   // The fewest splits that give every thread as many tasks (heads = 3, 2 threads: 2 splits, 6 tasks).
@@ -335,37 +335,37 @@ template <typename T>
 void dispatch_cache(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const bool* mask, const Shape& s,
                     const Strides& st, at::Tensor& out) {
   switch (k.scalar_type()) {
-    case at::kChar: decode_attention_impl<T, int8_t>(q, k, v, mask, s, st, out); break;
-    case at::kFloat8_e4m3fn: decode_attention_impl<T, c10::Float8_e4m3fn>(q, k, v, mask, s, st, out); break;
-    default: decode_attention_impl<T, T>(q, k, v, mask, s, st, out);
+    case at::kChar: attention_decode_impl<T, int8_t>(q, k, v, mask, s, st, out); break;
+    case at::kFloat8_e4m3fn: attention_decode_impl<T, c10::Float8_e4m3fn>(q, k, v, mask, s, st, out); break;
+    default: attention_decode_impl<T, T>(q, k, v, mask, s, st, out);
   }
 }
 
 // q (B, Hq, Lq, D); k_cache, v_cache (B, Hkv, S, D), or (B, Hkv, S, packed_width(D)) int8/fp8 rows; filled: one integer element; mask: optional bool
 // (B or 1, 1, Lq, >= filled). Innermost dims must be contiguous (a view of the cache is fine).
-at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+at::Tensor attention_decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& filled, double scale, int64_t window,
                             const std::optional<at::Tensor>& mask) {
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4 && v_cache.dim() == 4,
-              "fastflow_cpu::decode_attention: q, k_cache, v_cache must be 4-D");
+              "fastflow_cpu::attention_decode: q, k_cache, v_cache must be 4-D");
   TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "fastflow_cpu::decode_attention: CPU tensors only");
+              "fastflow_cpu::attention_decode: CPU tensors only");
   const bool quantized = k_cache.scalar_type() == at::kChar || k_cache.scalar_type() == at::kFloat8_e4m3fn;
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type() && (quantized || q.scalar_type() == k_cache.scalar_type()),
-              "fastflow_cpu::decode_attention: k_cache and v_cache must share q's dtype, or one int8/fp8 format");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "fastflow_cpu::decode_attention: k/v cache shapes differ");
+              "fastflow_cpu::attention_decode: k_cache and v_cache must share q's dtype, or one int8/fp8 format");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "fastflow_cpu::attention_decode: k/v cache shapes differ");
   TORCH_CHECK(q.stride(3) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "fastflow_cpu::decode_attention: the head dim must be contiguous");
+              "fastflow_cpu::attention_decode: the head dim must be contiguous");
   Shape s{q.size(0), q.size(1), k_cache.size(1), q.size(2), k_cache.size(2), q.size(3), 0, 0, window,
           static_cast<float>(scale)};
   const int64_t width = quantized ? (s.D + 3) / 4 * 4 + 4 : s.D;  // packed rows: values, pad, fp32 scale
   TORCH_CHECK(k_cache.size(0) == s.B && k_cache.size(3) == width && s.Hkv > 0 && s.Hq % s.Hkv == 0,
-              "fastflow_cpu::decode_attention: cache (B, Hkv, S, ", width, ") does not match q (B, Hq, Lq, D)");
+              "fastflow_cpu::attention_decode: cache (B, Hkv, S, ", width, ") does not match q (B, Hq, Lq, D)");
   TORCH_CHECK(filled.numel() == 1 && !filled.is_floating_point(),
-              "fastflow_cpu::decode_attention: filled must hold one integer");
+              "fastflow_cpu::attention_decode: filled must hold one integer");
   s.group = s.Hq / s.Hkv;
   s.filled = filled.item<int64_t>();
-  TORCH_CHECK(s.filled >= s.Lq && s.filled <= s.S, "fastflow_cpu::decode_attention: filled = ", s.filled,
+  TORCH_CHECK(s.filled >= s.Lq && s.filled <= s.S, "fastflow_cpu::attention_decode: filled = ", s.filled,
               " must be in [Lq, cache length] = [", s.Lq, ", ", s.S, "]");
   Strides st{q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), 0, 0};
@@ -374,9 +374,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
   if (mask.has_value()) {
     TORCH_CHECK(mask->dim() == 4 && (mask->size(0) == 1 || mask->size(0) == s.B) && mask->size(2) == s.Lq &&
                     mask->size(3) >= s.filled,
-                "fastflow_cpu::decode_attention: mask must be (B or 1, 1, Lq, >= filled), got ", mask->sizes());
+                "fastflow_cpu::attention_decode: mask must be (B or 1, 1, Lq, >= filled), got ", mask->sizes());
     mask_bool = mask->scalar_type() == at::kBool ? *mask : mask->to(at::kBool);
-    TORCH_CHECK(mask_bool.stride(3) == 1 || mask_bool.size(3) == 1, "fastflow_cpu::decode_attention: mask rows must be contiguous");
+    TORCH_CHECK(mask_bool.stride(3) == 1 || mask_bool.size(3) == 1, "fastflow_cpu::attention_decode: mask rows must be contiguous");
     st.mb = mask_bool.size(0) == 1 ? 0 : mask_bool.stride(0);
     st.mm = mask_bool.stride(2);
     mask_ptr = mask_bool.const_data_ptr<bool>();
@@ -388,7 +388,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
     case at::kFloat: dispatch_cache<float>(q, k_cache, v_cache, mask_ptr, s, st, out); break;
     case at::kBFloat16: dispatch_cache<c10::BFloat16>(q, k_cache, v_cache, mask_ptr, s, st, out); break;
     case at::kHalf: dispatch_cache<c10::Half>(q, k_cache, v_cache, mask_ptr, s, st, out); break;
-    default: TORCH_CHECK(false, "fastflow_cpu::decode_attention: unsupported dtype ", q.scalar_type());
+    default: TORCH_CHECK(false, "fastflow_cpu::attention_decode: unsupported dtype ", q.scalar_type());
   }
   return out.transpose(1, 2);
 }
@@ -396,8 +396,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache, cons
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(fastflow_cpu, m) {
-  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor filled, float scale, int window, "
+  m.def("attention_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor filled, float scale, int window, "
         "Tensor? mask) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(fastflow_cpu, CPU, m) { m.impl("decode_attention", &decode_attention); }
+TORCH_LIBRARY_IMPL(fastflow_cpu, CPU, m) { m.impl("attention_decode", &attention_decode); }

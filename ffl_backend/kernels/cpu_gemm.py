@@ -20,17 +20,15 @@ Who calls it, and from how many rows (`prompt_gemm_min_rows`, searched per machi
 from __future__ import annotations
 
 import functools
-import os
-import time
 from typing import Optional
 
 import torch
 from torch import Tensor
 
 from ..numerics import acc_dtype
-from . import autotune, cpu_lib
+from . import autotune, cpu_gemv, cpu_lib
 from .cpu_isa import target_has
-from .int4_layout import int4_gemv_ref
+from .int4_layout import INT4_ROWS, int4_gemv_ref
 
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 WEIGHT_DTYPES = (torch.bfloat16, torch.float16, torch.int8)
@@ -59,6 +57,16 @@ def int4_gemm_ref(x: Tensor, packed: Tensor, scale_zeros: Tensor, bias: Optional
     return int4_gemv_ref(x, packed, scale_zeros, bias, group_size)
 
 
+@cpu_lib.fake("gemm")
+def _fake_gemm(x: Tensor, weight: Tensor, scale, bias) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@cpu_lib.fake("int4_gemm")
+def _fake_int4_gemm(x: Tensor, packed: Tensor, scale_zeros, bias, group_size: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * INT4_ROWS))
+
+
 @functools.cache
 def native_bf16_matmul() -> bool:
     """Whether this process multiplies bf16 matrices natively (AMX tiles or AVX512-BF16, on the CPU and
@@ -67,8 +75,8 @@ def native_bf16_matmul() -> bool:
 
 
 def available() -> bool:
-    """Whether the ops are built here (the fastflow_cpu library)."""
-    return cpu_lib.load()
+    """Whether the ops are built here (the fastflow_cpu library; its prefetch distances are the GEMVs')."""
+    return cpu_gemv.ready()
 
 
 def replaces_bf16_matmul() -> bool:
@@ -87,30 +95,11 @@ def takes(x: Tensor, weight: Tensor) -> bool:
 
 def prompt_gemm_min_rows(kind: str, n: int, k: int, make_paths=None) -> int:
     """The row count from which a linear of `kind` ("bf16", "fp16", "int8", "int4") with an (n, k)
-    weight takes the GEMM on this machine. `make_paths()` gives {False: the caller's own path, True:
-    the GEMM}, functions of x on a random weight of that shape, timed when the search runs (once per
-    machine and shape; bf16 / fp16: F.linear against `gemm`, made here)."""
-    times, paths = {}, {}
-
-    def cost(threshold: int) -> float:  # a prompt of each tuning size, on the path the threshold picks
-        if not paths:
-            paths.update((make_paths or functools.partial(_float_paths, kind, n, k))())
-        for rows in _TUNING_ROWS:
-            for gemm in (False, True):
-                if (rows, gemm) not in times:
-                    times[rows, gemm] = _seconds(paths[gemm], torch.randn(rows, k, dtype=torch.bfloat16))
-        return sum(times[rows, rows >= threshold] for rows in _TUNING_ROWS)
-
-    key = (kind, n, k, os.environ.get("FFL_CACHE_DIR"))  # (the autotune file's folder)
-    if key in _chosen:  # a prompt asks once per linear: autotune's file lookup is too slow for that
-        return _chosen[key]
-    rows = autotune.choose(f"prompt_gemm_min_rows:{kind}", (n, k), MIN_ROWS_CHOICES, cost)
-    if not torch.compiler.is_compiling() and autotune.enabled():  # (else a default, not a choice)
-        _chosen[key] = rows
-    return rows
-
-
-_chosen: dict = {}  # (kind, n, k, cache folder) -> rows: this process's choices
+    weight takes the GEMM on this machine (autotune.row_threshold). `make_paths()` gives {False: the
+    caller's own path, True: the GEMM} on a random weight of that shape (bf16 / fp16: F.linear against
+    `gemm`, made here)."""
+    return autotune.row_threshold(f"prompt_gemm_min_rows:{kind}", (n, k), MIN_ROWS_CHOICES, _TUNING_ROWS,
+                                  make_paths or functools.partial(_float_paths, kind, n, k))
 
 
 def _float_paths(kind: str, n: int, k: int) -> dict:
@@ -118,17 +107,6 @@ def _float_paths(kind: str, n: int, k: int) -> dict:
     w = (torch.randn(n, k) / k**0.5).to(torch.bfloat16 if kind == "bf16" else torch.float16)
     return {False: lambda x: torch.nn.functional.linear(x.to(w.dtype), w),
             True: lambda x: torch.ops.fastflow_cpu.gemm(x.to(w.dtype), w, None, None)}
-
-
-def _seconds(fn, x: Tensor, repeats: int = 3) -> float:
-    """The fastest of a few calls (after one warm-up): the search wants the kernels' cost, not noise."""
-    fn(x)
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn(x)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def use_gemm(x: Tensor, kind: str, n: int, k: int, make_paths=None) -> bool:

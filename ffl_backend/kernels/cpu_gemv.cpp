@@ -49,7 +49,7 @@ namespace {
 // L2 tracks more outstanding misses than L1's fill buffers, so the far stream keeps more of DRAM's
 // latency hidden). These defaults were the fastest of the distances timed in C over SmolLM2-shaped
 // int8 weights, L3-resident and DRAM-bound (the figures: docs/performance.md#cpu-decode-gemvs);
-// cpu_lib.tune_prefetch times other distances on each machine (set_prefetch).
+// autotune.tune_prefetch times other distances on each machine (set_prefetch).
 constexpr int64_t kNearPrefetchElements = 4 * 576;
 constexpr int64_t kFarPrefetchElements = 32 * 576;
 std::atomic<int64_t> near_prefetch_elements{kNearPrefetchElements};

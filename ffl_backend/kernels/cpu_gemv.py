@@ -14,6 +14,9 @@ dot products (cpu_gemv_q16.cpp): each row of x quantized once per call to int16 
 `quantize_rows_int16`, then exact integer sums; its reference is `gemv_q16_ref`, equal bit for bit.
 Which of the two the decode_gemv family calls is the option `int8_activations` (`int8_activations`
 below resolves its "auto").
+
+The GEMVs (and cpu_gemm's GEMM) read ahead by prefetch distances tuned per machine: `ready()` sets
+them on first use (autotune.tune_prefetch), so callers ask `ready()` rather than `cpu_lib.load()`.
 """
 from __future__ import annotations
 
@@ -23,11 +26,31 @@ import torch
 from torch import Tensor
 
 from ..numerics import acc_dtype
-from . import cpu_lib
+from . import autotune, cpu_lib
 
 WEIGHT_DTYPES = (torch.int8, torch.bfloat16)
 MAX_ROWS = 8  # cpu_gemv.cpp's kMaxRows
 ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+_prefetch_tuned: list = []  # [True] once this process has set the tuned distances
+
+
+def ready() -> bool:
+    """Whether the library's GEMVs are usable here: built and loaded, and (once per process, outside
+    torch.compile) their prefetch distances set to this machine's choice, searched if not cached."""
+    if not cpu_lib.load():
+        return False
+    if not _prefetch_tuned and not torch.compiler.is_compiling():
+        autotune.tune_prefetch()
+        _prefetch_tuned.append(True)
+    return True
+
+
+@cpu_lib.fake("gemv")
+@cpu_lib.fake("gemv_q16")
+def _fake_gemv(x: Tensor, weights, scales, biases) -> Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
 def gemv_ref(x: Tensor, weights: Sequence[Tensor], scales: Sequence[Tensor] = (),

@@ -21,7 +21,7 @@ bool null_kernels();
 
 // How far ahead of the current load the GEMVs prefetch, in weight elements (int4: half as many
 // bytes): near into L1, far into L2. Defaults from cpu_gemv.cpp's measurements; set per machine by
-// the op set_prefetch (cpu_lib.tune_prefetch, a timed search cached by autotune.py).
+// the op set_prefetch (autotune.tune_prefetch, a timed search run on the GEMVs' first use: cpu_gemv.ready).
 int64_t near_prefetch();
 int64_t far_prefetch();
 

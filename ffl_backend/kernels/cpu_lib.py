@@ -1,22 +1,23 @@
-"""The `fastflow_cpu` C++ library: its CPU kernels, built on first use and loaded as torch ops.
+"""The `fastflow_cpu` C++ library: every `cpu_*.cpp` beside this file, built on first use and loaded.
 
-    gemv, int4_gemv     decode GEMVs (cpu_gemv.cpp, with cpu_gemv_bf16.cpp for bf16 x and weights on
-                        AVX512-BF16; the ops' references: cpu_gemv.py, int4_layout.py)
-    gemv_q16            the int8 decode GEMV over int16-quantized activations (cpu_gemv_q16.cpp; cpu_gemv.py)
-    int4_widen          an int4_gemv weight widened to bf16, for prompt GEMMs (cpu_widen.cpp; int4_layout.py)
-    gemm, int4_gemm     prompt GEMMs in fp32 over bf16 / fp16 / int8 / int4 weights widened block by block, for
-                        CPUs without bf16 matrix instructions (cpu_gemm.cpp; cpu_gemm.py)
-    decode_attention    a few query rows over a static cache (cpu_attention.cpp; attention/reference.py)
-    prefill_attention   a prompt's causal attention in fp32 register tiles (cpu_prefill_attention.cpp;
-                        attention/prefill.py)
-    quantize_kv         K/V rows to the packed int8 / fp8 cache format (cpu_kv_quant.cpp; attention/kv_quant.py)
-    argmax              the greedy token (cpu_argmax.cpp)
+This module only builds and loads. Each op lives in its own Python module beside its `.cpp` (its
+reference, its fake -- registered here through `fake`, when the library loads -- and the function
+that decides when to call it):
 
-The C++ sources ship with the package and are compiled here, once per machine and source version,
-with the compiler and flags Inductor itself uses (g++ or $CXX, -O3 -march=native -fopenmp -std=c++20;
-FFL_CPU_MARCH replaces `native`) into $FFL_CACHE_DIR/cpu_kernels/ (a few seconds, once). Where the
-library cannot be built (no compiler, no torch headers, not x86-64 Linux) `load()` returns False
-once, with a logged warning, and every caller keeps its pure-torch path: correct, only slower.
+    gemv, gemv_q16                  kernels/cpu_gemv.py       (cpu_gemv.cpp, cpu_gemv_bf16.cpp, cpu_gemv_q16.cpp)
+    int4_gemv, int4_widen           kernels/int4_layout.py    (cpu_gemv.cpp, cpu_widen.cpp)
+    gemm, int4_gemm                 kernels/cpu_gemm.py       (cpu_gemm.cpp)
+    argmax                          kernels/cpu_argmax.py     (cpu_argmax.cpp)
+    attention_decode                attention/decode.py       (cpu_attention.cpp)
+    prefill_attention               attention/prefill.py      (cpu_prefill_attention.cpp)
+    quantize_kv                     attention/kv_quant.py     (cpu_kv_quant.cpp)
+
+The sources are compiled here, once per machine and source version, with the compiler and flags
+Inductor itself uses (g++ or $CXX, -O3 -march=native -fopenmp -std=c++20; FFL_CPU_MARCH replaces
+`native`) into $FFL_CACHE_DIR/cpu_kernels/ (a few seconds, once). Where the library cannot be built
+(no compiler, no torch headers, not x86-64 Linux) `load()` returns False once, with a logged
+warning, and every caller keeps its pure-torch path: correct, only slower. Loading times nothing:
+the GEMVs' prefetch distances are tuned on their first use (cpu_gemv.ready, autotune.tune_prefetch).
 """
 from __future__ import annotations
 
@@ -29,30 +30,47 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import Tensor
 
 from .. import paths
-from . import autotune
 from .cpu_isa import cpu_flags, target_arch, target_has  # noqa: F401  (the library's build target)
-from .int4_layout import INT4_ROWS
 
 logger = logging.getLogger(__name__)
 
-# cpu_kernels.h is what the sources share.
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_gemv.cpp", "cpu_gemv_bf16.cpp", "cpu_gemv_q16.cpp",
-                                                          "cpu_attention.cpp", "cpu_argmax.cpp", "cpu_widen.cpp",
-                                                          "cpu_kv_quant.cpp", "cpu_gemm.cpp",
-                                                          "cpu_prefill_attention.cpp"))
-HEADERS = (Path(__file__).with_name("cpu_kernels.h"), Path(__file__).with_name("cpu_tile.h"))
+# A new op's .cpp joins the build by its name alone; the headers are what the sources share.
+SOURCES = tuple(sorted(Path(__file__).parent.glob("cpu_*.cpp")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("cpu_*.h")))
 OP_NAMESPACE = "fastflow_cpu"
 
 _lock = threading.Lock()
 _state: dict = {}  # "loaded": bool, "error": str
+_fakes: dict = {}  # op name -> its fake (shape function), from the op's module
+
+
+def fake(name: str):
+    """Decorator: `fn` is the fake of `fastflow_cpu::<name>` (output shapes and dtypes for tracing).
+    The op's module declares it beside its reference; it is registered when the library loads (at
+    once if it already has). Every module that calls the op imports the op's module."""
+    def declare(fn):
+        with _lock:
+            _fakes[name] = fn
+            if _state.get("loaded"):
+                _register_fake(name, fn)
+        return fn
+
+    return declare
+
+
+def _register_fake(name: str, fn) -> None:
+    torch.library.register_fake(f"{OP_NAMESPACE}::{name}")(fn)
+
+
+def faked_ops() -> tuple:
+    """The ops whose fakes the op modules declared (tests compare them with the sources' ops)."""
+    return tuple(sorted(_fakes))
 
 
 def _cache_dir() -> Path:
@@ -117,17 +135,8 @@ def _try_load() -> bool:
         if not target.exists():
             _build(target)
         torch.ops.load_library(str(target))
-        torch.library.register_fake(f"{OP_NAMESPACE}::gemv")(_fake_gemv)
-        torch.library.register_fake(f"{OP_NAMESPACE}::gemv_q16")(_fake_gemv)
-        torch.library.register_fake(f"{OP_NAMESPACE}::int4_gemv")(_fake_int4_gemv)
-        torch.library.register_fake(f"{OP_NAMESPACE}::decode_attention")(_fake_decode_attention)
-        torch.library.register_fake(f"{OP_NAMESPACE}::argmax")(_fake_argmax)
-        torch.library.register_fake(f"{OP_NAMESPACE}::int4_widen")(_fake_int4_widen)
-        torch.library.register_fake(f"{OP_NAMESPACE}::quantize_kv")(_fake_quantize_kv)
-        torch.library.register_fake(f"{OP_NAMESPACE}::gemm")(_fake_gemm)
-        torch.library.register_fake(f"{OP_NAMESPACE}::int4_gemm")(_fake_int4_gemm)
-        torch.library.register_fake(f"{OP_NAMESPACE}::prefill_attention")(_fake_prefill_attention)
-        tune_prefetch()
+        for name, fn in _fakes.items():
+            _register_fake(name, fn)
         return True
     except Exception as exc:  # no compiler, no headers, a link error: keep the pure-torch paths
         _state["error"] = str(exc)
@@ -135,85 +144,9 @@ def _try_load() -> bool:
         return False
 
 
-# The GEMVs' prefetch distances "near/far" in weight elements (cpu_kernels.h), the built-in default first.
-PREFETCH_CHOICES = ("2304/18432", "1152/9216", "2304/9216", "4608/18432", "2304/36864", "4608/36864")
-PREFETCH_DEFAULT_MARGIN = 0.97
-
-
-def tune_prefetch(megabytes: int = 128, rounds: int = 5) -> tuple[int, int]:
-    """Set the GEMVs' prefetch distances for this machine and return them: autotune.py's cached choice,
-    else (outside torch.compile, FFL_AUTOTUNE not 0) a timed search -- every candidate streams
-    `megabytes` of int8 rows of width 576 (more than a last-level cache holds, as a decode step's
-    weights are) through fastflow_cpu::gemv, round robin over `rounds` rounds, best time each (one
-    candidate after another drifted: whichever ran last looked fastest) -- else the default.
-    Called by `load()`."""
-    times: dict = {}
-
-    def measure_all() -> None:
-        rows = max(1, megabytes * 2**20 // 576 // 8)
-        x, weights = torch.randn(1, 576), [torch.ones(rows, 576, dtype=torch.int8) for _ in range(8)]
-        for _ in range(3):  # the first passes run slower (page mappings, clocks)
-            torch.ops.fastflow_cpu.gemv(x, weights, [], [])
-        for _ in range(rounds):
-            for choice in PREFETCH_CHOICES:
-                torch.ops.fastflow_cpu.set_prefetch(*map(int, choice.split("/")))
-                start = time.perf_counter()
-                torch.ops.fastflow_cpu.gemv(x, weights, [], [])
-                times[choice] = min(times.get(choice, float("inf")), time.perf_counter() - start)
-
-    def cost(choice: str) -> float:
-        if not times:
-            measure_all()
-        # the default keeps its place unless another is more than 3% faster: closer is noise here
-        return times[choice] * (PREFETCH_DEFAULT_MARGIN if choice == PREFETCH_CHOICES[0] else 1.0)
-
-    choice = autotune.choose("cpu_gemv_prefetch", (megabytes,), PREFETCH_CHOICES, cost)
-    near, far = map(int, choice.split("/"))
-    torch.ops.fastflow_cpu.set_prefetch(near, far)
-    return near, far
-
-
 def load_error() -> Optional[str]:
     """Why `load()` returned False (None if it did not, or was not called)."""
     return _state.get("error")
-
-
-def _fake_gemv(x: Tensor, weights, scales, biases) -> Tensor:
-    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
-
-
-def _fake_int4_gemv(x: Tensor, packed, scale_zeros, bias, group_size: int) -> Tensor:
-    return x.new_empty((*x.shape[:-1], packed.shape[0] * INT4_ROWS))
-
-
-def _fake_decode_attention(q: Tensor, k_cache, v_cache, filled, scale, window, mask) -> Tensor:
-    # (B, Lq, Hq, D) memory seen as (B, Hq, Lq, D), as the kernel returns it
-    b, hq, lq, d = q.shape
-    return q.new_empty((b, lq, hq, d)).transpose(1, 2)
-
-
-def _fake_quantize_kv(x: Tensor, fp8: bool) -> Tensor:
-    return x.new_empty((*x.shape[:-1], -(-x.shape[-1] // 4) * 4 + 4), dtype=torch.int8)
-
-
-def _fake_int4_widen(packed: Tensor, scale_zeros, group_size: int) -> Tensor:
-    return packed.new_empty((packed.shape[0] * INT4_ROWS, packed.shape[1] * 8), dtype=torch.bfloat16)
-
-
-def _fake_gemm(x: Tensor, weight: Tensor, scale, bias) -> Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
-
-
-def _fake_int4_gemm(x: Tensor, packed: Tensor, scale_zeros, bias, group_size: int) -> Tensor:
-    return x.new_empty((*x.shape[:-1], packed.shape[0] * INT4_ROWS))
-
-
-def _fake_prefill_attention(q: Tensor, k, v, scale: float, window: int) -> Tensor:
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
-
-
-def _fake_argmax(x: Tensor) -> Tensor:
-    return x.new_empty(x.shape[:-1], dtype=torch.long)
 
 
 @contextlib.contextmanager

@@ -1,4 +1,5 @@
-"""`torch.ops.fastflow_cpu.int4_gemv`'s weight layout and reference (the kernel: cpu_gemv.cpp).
+"""`torch.ops.fastflow_cpu.int4_gemv` and `int4_widen`: the weight layout, references and fakes (the
+kernels: cpu_gemv.cpp, cpu_widen.cpp).
 
     int4_gemv(x, packed, scale_zeros, bias or None, G) = x @ W.T + bias, W group-wise int4
 
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor
 
 from ..numerics import acc_dtype
+from . import cpu_lib
 
 # int4_gemv's layout (cpu_gemv.cpp): rows in blocks of 16 (the lanes of one vector), K in chunks of 8
 INT4_ROWS, INT4_CHUNK = 16, 8
@@ -64,3 +66,13 @@ def int4_gemv_ref(x: Tensor, packed: Tensor, scale_zeros: Tensor, bias: Optional
 def int4_widen_ref(packed: Tensor, scale_zeros: Tensor, group_size: int) -> Tensor:
     """Pure-torch reference of `int4_widen` (cpu_widen.cpp): the weight rounded once to bf16."""
     return int4_layout_weight(packed, scale_zeros, group_size).to(torch.bfloat16)
+
+
+@cpu_lib.fake("int4_gemv")
+def _fake_int4_gemv(x: Tensor, packed, scale_zeros, bias, group_size: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], packed.shape[0] * INT4_ROWS))
+
+
+@cpu_lib.fake("int4_widen")
+def _fake_int4_widen(packed: Tensor, scale_zeros, group_size: int) -> Tensor:
+    return packed.new_empty((packed.shape[0] * INT4_ROWS, packed.shape[1] * 8), dtype=torch.bfloat16)

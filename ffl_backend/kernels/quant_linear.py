@@ -28,10 +28,8 @@ import torch
 from torch import Tensor
 
 from .. import numerics as P
-from . import autotune, cpu_gemm, cpu_gemv, cpu_lib, int4_layout, triton_quant
+from . import autotune, cpu_gemm, cpu_gemv, int4_layout, triton_quant
 from ._triton import on_triton_device, rows_2d
-from .cpu_gemm import _seconds
-from .triton_quant import aot_specs  # noqa: F401  (the ops' Triton launch configs, read by kernels.aot)
 
 # torch's CPU int4 kernel accepts only these group sizes, and N in multiples of 16.
 INT4_CPU_GROUPS = (32, 64, 128, 256)
@@ -113,34 +111,28 @@ def _widens(x: Tensor, kind: str, n: int, k: int) -> bool:
 
 
 def widen_min_rows(kind: str, n: int, k: int) -> int:
-    """The row count from which `kind` ("int8" or "int4") widens an (n, k) weight on this machine."""
-    times, paths = {}, {}
+    """The row count from which `kind` ("int8" or "int4") widens an (n, k) weight on this machine
+    (autotune.row_threshold over a random weight: the row kernel against widening)."""
+    def make() -> dict:
+        row_kernel, widen, _ = _candidate_paths(kind, torch.randn(n, k) / k**0.5)
+        return {False: row_kernel, True: widen}
 
-    def cost(threshold: int) -> float:  # a prompt of each tuning size, each on the path this threshold picks
-        if not paths:
-            row_kernel, widen, _ = _paths(kind, torch.randn(n, k) / k**0.5)
-            paths.update({False: row_kernel, True: widen})
-        for rows in _TUNING_ROWS:
-            for widen in (False, True):
-                if (rows, widen) not in times:
-                    times[rows, widen] = _seconds(paths[widen], torch.randn(rows, k, dtype=torch.bfloat16))
-        return sum(times[rows, rows >= threshold] for rows in _TUNING_ROWS)
-
-    return autotune.choose(f"widen_min_rows:{kind}", (n, k), WIDEN_ROW_CHOICES, cost)
+    return autotune.row_threshold(f"widen_min_rows:{kind}", (n, k), WIDEN_ROW_CHOICES, _TUNING_ROWS, make)
 
 
 def _gemm_paths(kind: str, n: int, k: int):
     """For cpu_gemm's threshold search: a maker of {False: the row kernel, True: fastflow's GEMM} of an
     int8 / int4 linear with a random (n, k) weight."""
     def make() -> dict:
-        row_kernel, _, gemm = _paths(kind, torch.randn(n, k) / k**0.5)
+        row_kernel, _, gemm = _candidate_paths(kind, torch.randn(n, k) / k**0.5)
         return {False: row_kernel, True: gemm}
 
     return make
 
 
-def _paths(kind: str, w: Tensor) -> tuple:
-    """(row kernel, widen then oneDNN GEMM, fastflow GEMM) for a `kind` quantization of the fp32 weight `w`."""
+def _candidate_paths(kind: str, w: Tensor) -> tuple:
+    """The paths a threshold search times: (row kernel, widen then oneDNN GEMM, fastflow GEMM) for a
+    `kind` quantization of the fp32 weight `w`."""
     if kind == "int8":
         q, s = P.quantize_int8(w, torch.bfloat16)
         return (lambda x: torch._weight_int8pack_mm(x, q, s),
@@ -160,7 +152,7 @@ def int4_cpu_form(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int)
     built and takes the shape (faster than torch's at batch 1, docs/performance.md#cpu-decode-gemvs;
     and it reads x in fp32), else torch's pack (`int4_cpu_pack`), else (None, None): the reference."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
-    if qweight.device.type == "cpu" and int4_layout.int4_layout_fits(n, k, group_size) and cpu_lib.load():
+    if qweight.device.type == "cpu" and int4_layout.int4_layout_fits(n, k, group_size) and cpu_gemv.ready():
         return int4_layout.int4_layout(P.unpack_int4(qweight), int4_cpu_scale_zeros(scale, zero), group_size)
     return int4_cpu_pack(qweight, scale, zero, group_size)
 
@@ -226,7 +218,7 @@ def int4_cpu_unpack(packed: Tensor, n: int, k: int) -> Optional[Tensor]:
 def _single_row_kernel_applies(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor]) -> bool:
     """Whether an eager single-row int8 call can take the C++ decode GEMV (`cpu_gemv`). Never while
     compiling: there the decode_gemv family decides, and plain Inductor keeps torch's kernel."""
-    return not torch.compiler.is_compiling() and cpu_gemv.takes(x, qweight, scale, bias) and cpu_lib.load()
+    return not torch.compiler.is_compiling() and cpu_gemv.takes(x, qweight, scale, bias) and cpu_gemv.ready()
 
 
 def _int8_cpu(x: Tensor, qweight: Tensor, scale: Tensor, bias: Optional[Tensor],
@@ -294,7 +286,7 @@ def _w8a8_cpu(x: Tensor, qweight: Tensor, w_scale: Tensor, x_scale: Optional[Ten
     qx, xs = P.quantize_act_int8(smoothed_rows(x, smooth).float(), x_scale)
     if int_mm_is_exact():
         acc = torch._int_mm(qx, qweight.T).float()  # (K, N) view of the row-major weight: no copy
-    elif cpu_lib.load():  # the codes as fp32 through fastflow's GEMM: each product exact, sums in fp32
+    elif cpu_gemm.available():  # the codes as fp32 through fastflow's GEMM: each product exact, sums in fp32
         acc = torch.ops.fastflow_cpu.gemm(qx.float(), qweight, None, None)
     else:
         acc = qx.float() @ qweight.float().T

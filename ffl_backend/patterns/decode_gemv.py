@@ -122,7 +122,7 @@ def use_kernel(options) -> bool:
     """Whether single-row linears call `fastflow_cpu::gemv` (option `cpu_gemv`, see config.py)."""
     if options.cpu_gemv == "loops":
         return False
-    if cpu_lib.load():
+    if cpu_gemv.ready():
         return True
     if options.cpu_gemv == "kernel":
         raise RuntimeError("fastflow: cpu_gemv='kernel' but the CPU GEMV kernel is unavailable: "

@@ -3,7 +3,7 @@ the fusion report names and the tests enumerate.
 
 Built-in order matters: horizontal fusion first (it changes which linears feed the gates), then norms
 (the residual-add fold needs the RMSNorm op in place), then activations, then rotary and decode
-attention, then the CPU linears: single-row GEMVs first (decode_gemv), the rest pre-packed
+attention written out (inline_sdpa), then the CPU linears: single-row GEMVs first (decode_gemv), the rest pre-packed
 (packed_linear).
 
 Families registered at run time (extension.py, `ffl_backend.register_pattern`) join the same
@@ -12,9 +12,12 @@ registered earlier, so the order is always defined (no cycles) -- in registratio
 """
 from __future__ import annotations
 
+import logging
 from importlib import import_module
 from itertools import takewhile
 from typing import Callable, NamedTuple
+
+logger = logging.getLogger("ffl_backend")
 
 # family -> (module of this package, its pass function `fn(gm, ctx) -> matches`), in run order.
 FAMILIES = {
@@ -25,12 +28,14 @@ FAMILIES = {
     "gated_act": ("activations", "gated_act_pass"),
     "gelu": ("activations", "gelu_pass"),
     "rotary": ("rotary", "rotary_pass"),
-    "decode_attention": ("decode_attention", "decode_attention_pass"),
+    "inline_sdpa": ("inline_sdpa", "inline_sdpa_pass"),
     "decode_gemv": ("decode_gemv", "decode_gemv_pass"),
     "packed_linear": ("packed_linear", "packed_linear_pass"),
 }
 # The built-in families, in run order (registered ones are in pattern_families()).
 PATTERN_FAMILIES = tuple(FAMILIES)
+# Former names of built-in families, still accepted wherever a family is named (with a warning).
+RENAMED = {"decode_attention": "inline_sdpa"}
 
 
 class Registered(NamedTuple):
@@ -67,6 +72,14 @@ def registered_families() -> tuple:
     return tuple(_registered)
 
 
+def current_name(name):
+    """A family's name, with a former name (RENAMED) replaced by its current one and a warning."""
+    if name in RENAMED:
+        logger.warning("fastflow: pattern family %r is now called %r", name, RENAMED[name])
+        return RENAMED[name]
+    return name
+
+
 def unknown_families(names) -> list:
     """The names in `names` that are no family (sorted), for the options' error message."""
     return sorted(set(names) - set(pattern_families()))
@@ -83,6 +96,7 @@ def add_family(name: str, pass_fn: Callable, *, before: str | None = None, after
         raise ValueError(f"fastflow: pattern family {name!r} is already registered (replace=True to redefine it)")
     if before is not None and after is not None:
         raise ValueError("fastflow: give `before` or `after`, not both")
+    before, after = current_name(before), current_name(after)
     place = before if before is not None else after
     earlier = [*PATTERN_FAMILIES, *takewhile(lambda f: f != name, _registered)]
     if place is not None and place not in earlier:

@@ -41,8 +41,8 @@ def test_fp32_greedy_tokens_and_logits_equal_eager(arch):
     assert rep is not None and rep.device == DEVICE, "generate did not compile through fastflow on the GPU"
     assert not rep.fallbacks
     assert {op: rep.ops.get(op, 0) for op in EXPECTED_OPS[arch]} == EXPECTED_OPS[arch]
-    # a CPU-only family (patterns/decode_attention.py): on the GPU single-query SDPA stays torch's kernel
-    assert rep.matches["decode_attention"] == (LAYERS if torch.device(DEVICE).type == "cpu" else 0)
+    # a CPU-only family (patterns/inline_sdpa.py): on the GPU single-query SDPA stays torch's kernel
+    assert rep.matches["inline_sdpa"] == (LAYERS if torch.device(DEVICE).type == "cpu" else 0)
     assert sum(rep.unfused.values()) == 0, f"math left unfused: {dict(rep.unfused)}"
 
 

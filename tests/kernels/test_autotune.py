@@ -67,23 +67,23 @@ def test_widen_threshold_is_searched_once_per_shape(tuning, kind):
 
 
 def test_prefetch_distances_are_searched_once_set_and_then_read(tuning):
-    """cpu_lib.tune_prefetch: the search times every candidate round robin, caches the choice and sets
+    """autotune.tune_prefetch: the search times every candidate round robin, caches the choice and sets
     it in the kernels (set_prefetch returns the distances in force); the next call reads the cache."""
     from ffl_backend.kernels import cpu_lib
 
     if not cpu_lib.load():
         pytest.skip(f"CPU kernel library unavailable: {cpu_lib.load_error()}")
     try:
-        near, far = cpu_lib.tune_prefetch(megabytes=2, rounds=2)
-        assert f"{near}/{far}" in cpu_lib.PREFETCH_CHOICES
+        near, far = autotune.tune_prefetch(megabytes=2, rounds=2)
+        assert f"{near}/{far}" in autotune.PREFETCH_CHOICES
         assert list(torch.ops.fastflow_cpu.set_prefetch(near, far)) == [near, far]
         saved = json.loads(tuning.read_text())[autotune.machine_key()]
         assert saved == {"cpu_gemv_prefetch[2]": f"{near}/{far}"}
         torch.ops.fastflow_cpu.set_prefetch(0, 0)
-        assert cpu_lib.tune_prefetch(megabytes=2) == (near, far)  # from the cache, and set again
+        assert autotune.tune_prefetch(megabytes=2) == (near, far)  # from the cache, and set again
         assert list(torch.ops.fastflow_cpu.set_prefetch(near, far)) == [near, far]
     finally:
-        default = cpu_lib.PREFETCH_CHOICES[0].split("/")
+        default = autotune.PREFETCH_CHOICES[0].split("/")
         torch.ops.fastflow_cpu.set_prefetch(int(default[0]), int(default[1]))
 
 
@@ -93,4 +93,4 @@ def test_prefetch_search_off_keeps_the_default(monkeypatch):
     if not cpu_lib.load():
         pytest.skip(f"CPU kernel library unavailable: {cpu_lib.load_error()}")
     monkeypatch.setenv("FFL_AUTOTUNE", "0")
-    assert f"{'/'.join(map(str, cpu_lib.tune_prefetch()))}" == cpu_lib.PREFETCH_CHOICES[0]
+    assert f"{'/'.join(map(str, autotune.tune_prefetch()))}" == autotune.PREFETCH_CHOICES[0]

@@ -1,11 +1,11 @@
-"""The op registry (kernels.OP_MODULES) is the one list of fastflow's ops: loading it registers every
+"""The op registry (kernels.op_modules()) is the one list of fastflow's ops: loading it registers every
 `fastflow::` op the package has, and its Triton modules are the ones the AOT compile covers."""
 import importlib
 import pathlib
 import subprocess
 import sys
 
-from ffl_backend.kernels import OP_MODULES, triton_modules
+from ffl_backend.kernels import op_modules, triton_modules
 
 CHILD = """
 import importlib, pathlib, torch
@@ -32,6 +32,6 @@ def test_loading_the_registry_registers_every_op_of_the_package():
 
 
 def test_every_triton_module_is_an_op_module_with_launch_configs():
-    assert set(triton_modules()) <= set(OP_MODULES)
+    assert set(triton_modules()) <= set(op_modules())
     for name in triton_modules():
         assert importlib.import_module(name).aot_specs()

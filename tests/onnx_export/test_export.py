@@ -43,6 +43,7 @@ def test_every_architecture_exports_and_generates_eagers_tokens(arch, tmp_path):
         assert torch.equal(onnx_greedy(tmp_path, ids, model), greedy_reference(model, ids)), (arch, length)
 
 
+@pytest.mark.slow
 def test_sliding_window_is_honoured(tmp_path):
     """Gemma-2's layout (sliding and global layers alternate); the real Gemma-3 in test_real_models."""
     model = sliding_model("gemma2", window=6)
@@ -56,7 +57,8 @@ def test_sliding_window_is_honoured(tmp_path):
     assert (logits[0, -1] - unwindowed[0, -1]).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("quant", ["int4", pytest.param("int8-all", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("quant", ["int4", "int8-all"])
 def test_quantized_export_is_fastflows_quantized_model(quant, tmp_path):
     """Float activations (level 0): the export computes exactly fastflow's weights; the default level 4
     (int8 activations) is checked by export_onnx itself against the same rounding in PyTorch (the

@@ -50,7 +50,7 @@ def test_fastflow_decode_matches_eager_and_fuses(arch):
     assert not rep.fallbacks
     assert dict(rep.ops) == EXPECTED_OPS[arch]
     assert rep.matches["horizontal"] == EXPECTED_HORIZONTAL[arch]
-    assert rep.matches["decode_attention"] == L  # every layer's single-query SDPA
+    assert rep.matches["inline_sdpa"] == L  # every layer's single-query SDPA
     norms = rep.ops.get("rms_norm", 0) + rep.ops.get("add_rms_norm", 0)
     assert norms in (0, 2 * L + 1 + (2 * L if arch == "qwen3" else 0))
     assert sum(rep.unfused.values()) == 0, f"math left unfused: {dict(rep.unfused)}"

@@ -154,6 +154,7 @@ def test_bf16_exact_fp32_model_decodes_like_eager(cpu_gemv_option):
     assert "packed_linear" not in rep.ops
 
 
+@pytest.mark.slow
 def test_a_graph_without_kernel_linears_needs_no_library():
     """Nothing for the kernel in a process that never loaded the library (an inexact fp32 model):
     the pass leaves the graph alone without touching the library's ops, so no family falls back."""

@@ -262,6 +262,7 @@ def test_unknown_names_are_clear_errors():
         ffl_backend.unregister_pattern("sq_relu")
 
 
+@pytest.mark.slow
 def test_example_runs():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / "custom_pattern.py")], capture_output=True,

@@ -1,11 +1,11 @@
-"""decode_attention family: single-query CPU SDPA becomes dot products + softmax under Inductor,
+"""inline_sdpa family: single-query CPU SDPA becomes dot products + softmax under Inductor,
 matching SDPA; everything else (several query rows, causal, grouped heads, no Inductor) is left alone."""
 import pytest
 import torch
 import torch.nn.functional as F
 
 import ffl_backend
-from ffl_backend.patterns.decode_attention import attention_single_query
+from ffl_backend.patterns.inline_sdpa import attention_single_query
 from tests.helpers import assert_matches_reference
 
 
@@ -48,7 +48,7 @@ def _compiled(fn, **options):
 def test_single_query_sdpa_is_rewritten_under_inductor(dtype, mask):
     q, k, v, m = _inputs(dtype, heads=5, length=37, dim=16, mask=mask)
     out = _compiled(_sdpa)(q, k, v, m)
-    assert ffl_backend.last_report().matches["decode_attention"] == 1
+    assert ffl_backend.last_report().matches["inline_sdpa"] == 1
     assert_matches_reference(out, _sdpa, (q, k, v, m))
 
 
@@ -64,6 +64,19 @@ def test_other_attention_is_left_alone(case):
                                               dropout_p=0.5 if case == "dropout" else 0.0)
 
     out = _compiled(attend, **options)(q, k, v)
-    assert ffl_backend.last_report().matches["decode_attention"] == 0
+    assert ffl_backend.last_report().matches["inline_sdpa"] == 0
     if case != "dropout":
         torch.testing.assert_close(out, attend(q, k, v))
+
+
+def test_the_former_name_still_selects_the_family(caplog):
+    """Options written when the family was called decode_attention keep working, with a warning."""
+    from ffl_backend.config import BackendOptions
+
+    with caplog.at_level("WARNING", logger="ffl_backend"):
+        opts = BackendOptions.parse(None, {"disable_patterns": "decode_attention"})
+    assert opts.disable_patterns == ("inline_sdpa",)
+    assert "now called 'inline_sdpa'" in caplog.text
+    q, k, v, _ = _inputs(torch.float32)
+    _compiled(F.scaled_dot_product_attention, disable_patterns=["decode_attention"])(q, k, v)
+    assert ffl_backend.last_report().matches["inline_sdpa"] == 0

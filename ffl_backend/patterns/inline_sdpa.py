@@ -1,4 +1,5 @@
-"""CPU decode attention family: single-query SDPA becomes dot products + softmax in Inductor C++.
+"""The inline_sdpa family (called decode_attention before 2026-12-06): single-query CPU SDPA becomes
+dot products + softmax in Inductor C++.
 
 At batch 1 a decode step's attention is tiny (one query row against the filled cache), yet each
 `scaled_dot_product_attention` call is an opaque ATen kernel with its own allocations, transposes
@@ -61,7 +62,7 @@ def _matches(node: fx.Node) -> bool:
     return mask is None or (isinstance(mask, torch.Tensor) and mask.dim() <= 4)
 
 
-def decode_attention_pass(gm: fx.GraphModule, ctx) -> int:
+def inline_sdpa_pass(gm: fx.GraphModule, ctx) -> int:
     if not ctx.options.inductor:  # eager would materialize the (H, L, D) products
         return 0
     count = 0
