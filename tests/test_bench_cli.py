@@ -464,3 +464,57 @@ def test_fastflow_rows_are_compared_with_the_onnxruntime_row_of_their_scheme():
     assert "speedup_vs_onnxruntime" not in results[2]  # no onnxruntime row of int8-all
     grid = {"results": results}
     assert "| vs onnxruntime |" in table(grid) and "| 2.00x |" in table(grid)
+
+
+def test_code_versions_add_a_row_per_checkout_with_its_path_and_ratio(tmp_path):
+    """--code: each row once more per other checkout, labelled with its commit, its worker's PYTHONPATH
+    led by that checkout, and its decode speed over this checkout's same row, round by round."""
+    from ffl_backend.bench.grid import versus_this_checkout, with_code_versions
+    from ffl_backend.bench.interleave import worker_env
+
+    rows = [{"dtype": "bfloat16", "quant": q, "backend": "fastflow", "batch": 1, "prompt_len": 16}
+            for q in ("none", "int8")]
+    todo = with_code_versions(rows, [str(tmp_path)])
+    other = f"@{tmp_path.name}"
+    assert [label(r) for r in todo] == ["bfloat16 fastflow b1 p16", f"bfloat16 fastflow b1 p16 {other}",
+                                        "bfloat16 int8 fastflow b1 p16", f"bfloat16 int8 fastflow b1 p16 {other}"]
+    assert worker_env("/c", todo[1]["code"])["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)
+    assert "PYTHONPATH" not in worker_env("/c") or worker_env("/c")["PYTHONPATH"] == os.environ.get("PYTHONPATH")
+    speeds = ([10.0, 12.0, 11.0], [9.0, 12.0, 9.9], [20.0, 20.0, 20.0], [21.0, 20.0, 22.0])
+    results = [{**r, "decode_tok_s": statistics.median(s), "decode_tok_s_all": s} for r, s in zip(todo, speeds)]
+    versus_this_checkout(results, paired=True)
+    assert "vs_this_checkout" not in results[0] and "vs_this_checkout" not in results[2]
+    assert results[1]["vs_this_checkout"] == pytest.approx(9.9 / 11.0)
+    assert results[1]["vs_this_checkout_paired"] == pytest.approx(0.9)  # median of 0.9, 1.0, 0.9
+    assert results[3]["vs_this_checkout_paired"] == pytest.approx(1.05)
+
+
+def test_code_must_be_a_checkout(tiny_folder, tmp_path):
+    _one_line_error(_bench("--model", str(tiny_folder), "--code", str(tmp_path)), "--code", "no fastflow checkout")
+
+
+@pytest.mark.slow
+def test_code_rows_run_the_other_checkouts_package(tiny_folder, tmp_path):
+    """A copy of the package whose session marks its rows: only the @other row carries the mark."""
+    import shutil
+
+    import ffl_backend
+
+    other = tmp_path / "other"
+    shutil.copytree(os.path.dirname(ffl_backend.__file__), other / "ffl_backend",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    session = other / "ffl_backend" / "bench" / "session.py"
+    text = session.read_text()
+    marked = text.replace('        out["runtime_rss_mb"] = self.runtime_rss_mb',
+                          '        out["checkout"] = "other"\n        out["runtime_rss_mb"] = self.runtime_rss_mb')
+    assert marked != text
+    session.write_text(marked)
+    out = tmp_path / "r"
+    proc = _bench("--model", str(tiny_folder), "--backends", "eager", "--dtypes", "bfloat16", "--new-tokens", "2",
+                  "--repeats", "2", "--prompt-lens", "4", "--no-progress", "--no-warm-compile", "--code", str(other),
+                  "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [(label(r), r.get("checkout")) for r in rows] == [("bfloat16 eager b1 p4", None),
+                                                             ("bfloat16 eager b1 p4 @other", "other")]
+    assert rows[1]["vs_this_checkout_paired"] > 0 and "bfloat16 eager b1 p4 @other vs this checkout" in proc.stderr

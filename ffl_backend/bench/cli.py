@@ -92,6 +92,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-warm-compile", action="store_true",
                    help="skip the second process that times compilation with warm on-disk caches")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    p.add_argument("--code", nargs="+", default=[], metavar="PATH",
+                   help="other checkouts of fastflow (e.g. a git worktree of an older commit): every row runs "
+                        "once more with each one's package, in the same interleaved rounds -- a before/after "
+                        "of a change in one run (rows labelled @<commit>)")
     p.add_argument("--fastflow-options", nargs="+", type=_options, default=[None], metavar="JSON",
                    help="backend options of the fastflow rows, one row per JSON object, e.g. "
                         "'{}' '{\"int8_activations\": \"int16\"}' (default: the defaults)")
@@ -147,6 +151,9 @@ def check_request(args, model: str) -> str:
                          + "; ".join(sorted({s["reason"] for s in skipped})))
     if args.text and not os.path.isfile(args.text):
         raise BenchError(f"text file not found: {args.text}")
+    missing = [path for path in args.code if not os.path.isfile(os.path.join(path, "ffl_backend", "__init__.py"))]
+    if missing:
+        raise BenchError(f"--code: no fastflow checkout (ffl_backend/__init__.py) in {', '.join(missing)}")
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -182,7 +189,7 @@ def _run(args, model: str, device: str, command: str) -> int:
                     warm_compile=not args.no_warm_compile, device=device, threads=args.threads,
                     progress=not args.no_progress, schedule=args.schedule,
                     fastflow_variants=fastflow_variants(args.fastflow_options, args.kv_cache_dtype),
-                    left_pad=args.left_pad, tps=args.tp)
+                    left_pad=args.left_pad, tps=args.tp, codes=args.code)
     grid["command"] = command
     paths = write_all(grid, args.out)
     print(header(grid) + "\n\n" + table(grid))

@@ -20,6 +20,7 @@ import platform
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -86,7 +87,35 @@ def label(cfg: dict) -> str:
     variant = "".join(f" {k}={v}" for k, v in (cfg.get("options") or {}).items() if k != "mode")
     padded = " left-padded" if cfg.get("left_pad") and cfg["batch"] > 1 else ""
     split = f" tp{cfg['tp']}" if cfg.get("tp", 1) > 1 else ""
-    return f"{cfg['dtype']}{quant} {backend}{variant} b{cfg['batch']} p{cfg['prompt_len']}{padded}{split}"
+    code = f" @{cfg['code_rev']}" if cfg.get("code") else ""
+    return f"{cfg['dtype']}{quant} {backend}{variant} b{cfg['batch']} p{cfg['prompt_len']}{padded}{split}{code}"
+
+
+def code_revision(path: str) -> str:
+    """A checkout's short commit (its folder name where git cannot say)."""
+    try:
+        out = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+        return out.stdout.strip() or os.path.basename(os.path.abspath(path))
+    except OSError:
+        return os.path.basename(os.path.abspath(path))
+
+
+def with_code_versions(todo: list[dict], codes) -> list[dict]:
+    """Each row once more per other checkout in `codes` (`ffl-bench --code`), right after it: the same
+    configuration run by that checkout's package, in the same interleaved rounds."""
+    revisions = {path: code_revision(path) for path in codes}
+    return [variant for cfg in todo
+            for variant in (cfg, *({**cfg, "code": path, "code_rev": rev} for path, rev in revisions.items()))]
+
+
+def versus_this_checkout(results: list[dict], paired: bool) -> None:
+    """A row of another checkout: its decode tok/s over the same row of this one (`vs_this_checkout`,
+    with `paired` also the median of per-round ratios)."""
+    ours = {label(r): r for r in results if not r.get("code") and "decode_tok_s" in r}
+    for r in results:
+        base = ours.get(label({**r, "code": None}))
+        if r.get("code") and "decode_tok_s" in r and base is not None:
+            _ratios(r, base, "vs_this_checkout", paired)
 
 
 def run_isolated(cfg: dict, warm_compile: bool = True) -> dict:
@@ -165,8 +194,8 @@ def _group(r: dict) -> tuple:
 def agreement(results: list[dict]) -> None:
     """Annotate results with the matching prefix of their greedy tokens against unquantized eager of
     the same dtype, batch and prompt length."""
-    eager = {_group(r): r["tokens"] for r in results
-             if r["backend"] == "eager" and r.get("quant", "none") == "none" and "tokens" in r}
+    eager = {_group(r): r["tokens"] for r in results if r["backend"] == "eager" and r.get("quant", "none") == "none"
+             and "tokens" in r and not r.get("code")}
     for r in results:
         ref = eager.get(_group(r))
         if ref is None or "tokens" not in r:
@@ -190,7 +219,7 @@ def speedups(results: list[dict], paired: bool = False) -> None:
     rounds: `decode_tok_s_all[i]` all come from round i) also the median of the per-round ratios,
     which a drift of the machine's speed cancels out of. Against ONNX Runtime (float32 rows only: its
     CPU kernels have no bfloat16) every fastflow row of the same quantization, batch and prompt."""
-    timed = [r for r in results if "decode_tok_s" in r]
+    timed = [r for r in results if "decode_tok_s" in r and not r.get("code")]  # (others: versus_this_checkout)
     base = {_group(r): r for r in timed if r["backend"] == "inductor" and r.get("quant", "none") == "none"}
     llama = {(*_group(r), r["quant"]): r for r in timed if r["backend"] == "llamacpp"}
     ort = {(*_group(r)[1:], r["quant"]): r for r in timed if r["backend"] == "onnxruntime"}
@@ -285,11 +314,12 @@ def add_ceilings(results: list[dict], device: str) -> None:
 def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new_tokens=128, repeats=3,
              text=None, options=None, log=print, *, quants=("none",), batches=(1,), warmup=1, warm_compile=True,
              device="cpu", threads=None, progress=True, schedule="interleaved", fastflow_variants=(None,),
-             left_pad=False, tps=(1,)) -> dict:
+             left_pad=False, tps=(1,), codes=()) -> dict:
     """Run every configuration of the grid, each in its own process; `prompt_len` is one length or
     several. `schedule`: "interleaved" (all processes alive, timed round robin) or "sequential" (one
     process at a time). `left_pad`: batches of prompts of different lengths (session.batch_prompts).
     `tps`: tensor-parallel degrees (1 = one process; N: the model split over N torchrun ranks).
+    `codes`: other checkouts of fastflow whose package runs each row once more (with_code_versions).
     Returns {"environment", "bandwidth", "settings", "results", "skipped"}."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
@@ -300,6 +330,7 @@ def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new
                 "threads": threads, "left_pad": left_pad}
     todo, skipped = configurations(model, backends, dtypes, quants, batches, prompt_lens, fastflow_variants, tps,
                                    options=options, **settings)
+    todo = with_code_versions(todo, codes)
     by_reason: dict[str, list] = {}
     for cfg in skipped:
         by_reason.setdefault(cfg["reason"], []).append(label(cfg))
@@ -321,6 +352,10 @@ def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new
     add_ceilings(results, device)
     agreement(results)
     speedups(results, paired=schedule == "interleaved")
+    versus_this_checkout(results, paired=schedule == "interleaved")
+    for r in results:
+        if "vs_this_checkout" in r:
+            log(f"  {label(r)} vs this checkout: {r.get('vs_this_checkout_paired', r['vs_this_checkout']):.3f}x")
     env = {**environment(), **({"llama_cpp": llamacpp.environment()} if llama_cfgs else {}),
            **({"onnxruntime": onnxruntime_rows.environment()} if ort_cfgs else {})}
     return {"environment": env, "bandwidth": machine_bandwidth(device),

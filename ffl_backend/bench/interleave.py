@@ -25,9 +25,11 @@ import sys
 import tempfile
 
 
-def worker_env(cache_dir: str) -> dict:
-    """A worker's environment: its own Inductor and Triton cache folder."""
-    return {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
+def worker_env(cache_dir: str, code: str | None = None) -> dict:
+    """A worker's environment: its own Inductor and Triton cache folder; with `code` (another checkout of
+    fastflow, `ffl-bench --code`) that checkout's package first on the path."""
+    path = {"PYTHONPATH": os.pathsep.join(filter(None, (code, os.environ.get("PYTHONPATH"))))} if code else {}
+    return {**os.environ, **path, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
             "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),
             # On by default in this torch; set so the warm run measures the caches, not a default.
             "TORCHINDUCTOR_FX_GRAPH_CACHE": "1", "TORCHINDUCTOR_AUTOGRAD_CACHE": "1"}
@@ -36,7 +38,11 @@ def worker_env(cache_dir: str) -> dict:
 def worker_command(cfg: dict, *args: str) -> list[str]:
     """The worker's command line: one interpreter, or `tp` of them under torchrun (tensor parallel)."""
     tp = cfg.get("tp", 1)
-    worker = [sys.executable, "-m", "ffl_backend.bench.worker", *args, json.dumps(cfg)]
+    start = ["-m", "ffl_backend.bench.worker"]
+    if cfg.get("code"):  # `-m` would put the current folder, maybe another checkout, ahead of PYTHONPATH
+        start = ["-c", f"import runpy, sys; sys.path.insert(0, {cfg['code']!r}); "
+                       "runpy.run_module('ffl_backend.bench.worker', run_name='__main__', alter_sys=True)"]
+    worker = [sys.executable, *start, *args, json.dumps(cfg)]
     if tp == 1:
         return worker
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={tp}", "--no-python",
@@ -44,7 +50,8 @@ def worker_command(cfg: dict, *args: str) -> list[str]:
 
 
 def run_worker(cfg: dict, cache_dir: str) -> dict:
-    proc = subprocess.run(worker_command(cfg), capture_output=True, text=True, env=worker_env(cache_dir))
+    proc = subprocess.run(worker_command(cfg), capture_output=True, text=True,
+                          env=worker_env(cache_dir, cfg.get("code")))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         return {"error": error_line(proc.stderr or proc.stdout) or f"worker exited with {proc.returncode}"}
@@ -70,7 +77,7 @@ class WorkerProcess:
         self.stderr = tempfile.TemporaryFile(mode="w+")
         self.proc = subprocess.Popen(worker_command(cfg, "--serve"),
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.stderr, text=True,
-                                     env=worker_env(cache_dir))
+                                     env=worker_env(cache_dir, cfg.get("code")))
         self.error = None
         self.read()  # {"ready": true} once set up
 
