@@ -27,7 +27,7 @@ def test_main_generates_through_optimize_then_prints_the_grid(tmp_path, monkeypa
     """main() on the smallest configuration: a tiny Llama folder (word-level tokenizer) stands in
     for SmolLM2 and is loaded, optimize()d and generated from in this process as the demo does;
     the benchmark grid it then asks for (one process per row, run for real with fastflow rows by
-    tests/test_bench_cli.py) is recorded and answered with fixed rows, so the table and the headline
+    tests/bench/) is recorded and answered with fixed rows, so the table and the headline
     print from them."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
