@@ -38,20 +38,27 @@ def _bpe_tokenizer(folder):
                             eos_token="</s>").save_pretrained(folder)
 
 
-def _tiny_llama(folder, tied: bool):
-    """A tiny random LLaMA, fp32, saved with a BPE tokenizer; weights at std INIT (not 0.02) so the
-    logits spread and greedy decoding moves between tokens, norms perturbed so a dropped one shows."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
+def _tiny_saved(folder, config_cls, seed: int, tied: bool):
+    """A tiny random model of `config_cls`, fp32, saved with a BPE tokenizer; weights at std INIT (not
+    0.02) so the logits spread and greedy decoding moves between tokens; norms and biases (Qwen2's
+    q/k/v, zero at init) perturbed so a dropped or misplaced one shows."""
+    from transformers import AutoModelForCausalLM
 
-    torch.manual_seed(SEED)
-    config = LlamaConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=96, max_position_embeddings=256,
-                         initializer_range=INIT, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
+    torch.manual_seed(seed)
+    config = config_cls(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, intermediate_size=96, max_position_embeddings=256,
+                        initializer_range=INIT, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
+                        pad_token_id=0)
     model = perturb_vectors(AutoModelForCausalLM.from_config(config).eval(), 0.1)
     model.save_pretrained(folder)
     _bpe_tokenizer(folder)
     return model
+
+
+def _tiny_llama(folder, tied: bool):
+    from transformers import LlamaConfig
+
+    return _tiny_saved(folder, LlamaConfig, SEED, tied)
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +74,10 @@ def untied(tmp_path_factory):
 
 
 def _tiny_qwen2(folder):
-    """A tiny random Qwen2 with tied embeddings (as Qwen2-1.5B); its q/k/v biases, zero at init, perturbed
-    with the norms so a dropped or misplaced bias shows."""
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    """Tied embeddings, as Qwen2-1.5B."""
+    from transformers import Qwen2Config
 
-    torch.manual_seed(QWEN2_SEED)
-    config = Qwen2Config(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, intermediate_size=96, max_position_embeddings=256,
-                         initializer_range=INIT, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2,
-                         pad_token_id=0)
-    model = perturb_vectors(AutoModelForCausalLM.from_config(config).eval(), 0.1)
-    model.save_pretrained(folder)
-    _bpe_tokenizer(folder)
-    return model
+    return _tiny_saved(folder, Qwen2Config, QWEN2_SEED, tied=True)
 
 
 @pytest.fixture(scope="module")
@@ -98,6 +96,20 @@ def _reader(path):
 def _field(reader, key):
     field = reader.fields[key]
     return field.contents()
+
+
+def _assert_tiny_header(reader, arch: str, kind: str) -> None:
+    """The metadata every tiny model's file carries: architecture, file type, shapes, rope, special ids."""
+    import gguf
+
+    assert _field(reader, "general.architecture") == arch
+    assert _field(reader, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{kind}"]
+    sizes = {"embedding_length": 64, "block_count": 2, "attention.head_count": 4, "attention.head_count_kv": 2,
+             "feed_forward_length": 96, "context_length": 256, "rope.dimension_count": 16}
+    expected = {**{f"{arch}.{k}": v for k, v in sizes.items()},
+                "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    assert {k: _field(reader, k) for k in expected} == expected
+    assert _field(reader, f"{arch}.rope.freq_base") == pytest.approx(10000.0)
 
 
 def _weight(tensors, name):
@@ -148,13 +160,7 @@ def test_writer_names_types_shapes_and_metadata(tied, untied, tmp_path, kind):
         assert tensors["token_embd.weight"].tensor_type.name == embd
         assert tensors.get("output.weight", tensors["token_embd.weight"]).tensor_type.name == embd
 
-    assert _field(reader, "general.architecture") == "llama"
-    assert _field(reader, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{kind}"]
-    expected = {"llama.embedding_length": 64, "llama.block_count": 2, "llama.attention.head_count": 4,
-                "llama.attention.head_count_kv": 2, "llama.feed_forward_length": 96, "llama.context_length": 256,
-                "llama.rope.dimension_count": 16, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
-    assert {k: _field(reader, k) for k in expected} == expected
-    assert _field(reader, "llama.rope.freq_base") == pytest.approx(10000.0)
+    _assert_tiny_header(reader, "llama", kind)
     assert _field(reader, "tokenizer.ggml.model") == "gpt2" and _field(reader, "tokenizer.ggml.pre") == "gpt-2"
     tokens, types = _field(reader, "tokenizer.ggml.tokens"), _field(reader, "tokenizer.ggml.token_type")
     assert len(tokens) == len(types) == 128 and tokens[1] == "<s>" and tokens[127] == "[PAD127]"
@@ -196,7 +202,6 @@ def test_f16_weights_are_the_hf_weights_with_q_and_k_rows_reordered(untied, tmp_
 def test_qwen2_writer_names_biases_and_metadata(qwen2, tmp_path, kind):
     """Qwen2: LLaMA's names plus the q/k/v biases (F32, exact), no output head (tied), qwen2 metadata;
     Q/K rows keep HF's order (llama.cpp's qwen2 rotates halves, as HF does)."""
-    import gguf
 
     folder, model = qwen2
     reader, tensors = _reader(gguf_export.export(folder, kind, tmp_path))
@@ -216,13 +221,7 @@ def test_qwen2_writer_names_biases_and_metadata(qwen2, tmp_path, kind):
         for name in ("blk.1.attn_q.weight", "blk.1.attn_k.weight"):
             np.testing.assert_allclose(_weight(tensors, name), hf[name], rtol=1e-3, atol=1e-3)
 
-    assert _field(reader, "general.architecture") == "qwen2"
-    assert _field(reader, "general.file_type") == gguf.LlamaFileType[f"MOSTLY_{kind}"]
-    expected = {"qwen2.embedding_length": 64, "qwen2.block_count": 2, "qwen2.attention.head_count": 4,
-                "qwen2.attention.head_count_kv": 2, "qwen2.feed_forward_length": 96, "qwen2.context_length": 256,
-                "qwen2.rope.dimension_count": 16, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
-    assert {k: _field(reader, k) for k in expected} == expected
-    assert _field(reader, "qwen2.rope.freq_base") == pytest.approx(10000.0)
+    _assert_tiny_header(reader, "qwen2", kind)
     assert _field(reader, "qwen2.attention.layer_norm_rms_epsilon") == pytest.approx(1e-6)
 
 
