@@ -3,7 +3,8 @@ import torch
 import torch.nn.functional as F
 
 from ffl_backend.kernels import gated_act as G
-from tests.helpers import ATOL, DTYPES, assert_matches_reference, fastflow_compiled
+from tests.helpers import ATOL, DTYPES, assert_matches_reference
+from tests.hf_math import gate_up_halves, geglu, swiglu
 
 SHAPES = [(5, 123), (3, 7, 1536)]  # odd sizes; a row of two column blocks (1024 + a masked 512)
 GELU_MODES = ["none", "tanh"]  # F.gelu's erf form, and Gemma's gelu_pytorch_tanh
@@ -104,47 +105,13 @@ def test_ops_pass_opcheck(dtype):
     torch.library.opcheck(torch.ops.fastflow.gelu_mul.default, (gate, up, "tanh"))
 
 
-def _swiglu(gate, up):
-    """LlamaMLP's `act_fn(gate_proj(x)) * up_proj(x)`, written here (not the op's reference): a
-    float64 run is the exact answer, a bf16 run plain PyTorch's own error."""
-    return F.silu(gate) * up
-
-
-def _geglu(gate, up, approximate):
-    return F.gelu(gate, approximate=approximate) * up
-
-
-def _halves(dtype, width=96):
-    """Phi-3's fused gate_up_proj output and its two halves (strided views)."""
-    gu = torch.randn(4, 3, 2 * width, dtype=dtype) * 3
-    return gu, gu[..., :width], gu[..., width:]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_ops_on_cpu_match_float64_hf_math(dtype):
     """The CPU ops (eager) against HF's MLP activations in float64: <= 2x plain PyTorch's error."""
-    _, gate, up = _halves(dtype)
-    assert_matches_reference(torch.ops.fastflow.silu_mul(gate, up), _swiglu, (gate, up), interpreted=False)
+    _, gate, up = gate_up_halves(dtype)
+    assert_matches_reference(torch.ops.fastflow.silu_mul(gate, up), swiglu, (gate, up), interpreted=False)
     for approximate in GELU_MODES:
-        assert_matches_reference(torch.ops.fastflow.gelu_mul(gate, up, approximate), _geglu,
+        assert_matches_reference(torch.ops.fastflow.gelu_mul(gate, up, approximate), geglu,
                                  (gate, up, approximate), interpreted=False)
 
 
-def test_fused_compiled_graph_matches_float64_hf_math():
-    """HF's gated activations compiled by fastflow (fused, then Inductor's C++), fp32 and bf16 in one
-    graph, against the same code in float64."""
-    gu, gub = _halves(torch.float32)[0], _halves(torch.bfloat16)[0]
-
-    def mlps(*tensors):
-        outs = []
-        for t in tensors:
-            g, u = t[..., :96], t[..., 96:]
-            outs += [_swiglu(g, u), _geglu(g, u, "none"), _geglu(g, u, "tanh")]
-        return outs
-
-    out = fastflow_compiled(mlps, gu, gub, ops={"silu_mul": 2, "gelu_mul": 4})
-    for i, t in enumerate((gu, gub)):
-        g, u = t[..., :96], t[..., 96:]
-        assert_matches_reference(out[3 * i], _swiglu, (g, u), interpreted=False)
-        assert_matches_reference(out[3 * i + 1], _geglu, (g, u, "none"), interpreted=False)
-        assert_matches_reference(out[3 * i + 2], _geglu, (g, u, "tanh"), interpreted=False)

@@ -1,10 +1,10 @@
-import math
 
 import pytest
 import torch
 
 from ffl_backend.kernels import gelu_residual as G
-from tests.helpers import DTYPES, assert_matches_reference, fastflow_compiled
+from tests.helpers import DTYPES, assert_matches_reference
+from tests.hf_math import gelu_mlp, gelu_residual_inputs
 
 SHAPES = [(5, 123), (3, 7, 576)]  # odd sizes (a partial last block), SmolLM2's width
 APPROX = ["none", "tanh"]
@@ -106,41 +106,12 @@ def test_op_passes_opcheck(dtype):
     torch.library.opcheck(torch.ops.fastflow.gelu_residual.default, (x, None, None, "tanh"))
 
 
-def _gelu_mlp(x, b, r, approximate):
-    """GPT-2 / GPT-NeoX MLP activation as HF runs it: `act(c_fc(x)) + residual`, where c_fc's bias
-    add comes first (written here, not the op's reference; float64 in = the exact answer)."""
-    return torch.nn.functional.gelu(x + b, approximate=approximate) + r
-
-
-def _new_gelu(x, r):
-    """GPT-2's NewGELUActivation, op by op, then the residual add."""
-    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0)))) + r
-
-
-def _inputs(dtype):
-    return torch.randn(4, 3, 576, dtype=dtype) * 3, torch.randn(576, dtype=dtype), torch.randn(4, 3, 576, dtype=dtype)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_op_on_cpu_matches_float64_hf_math(dtype):
     """The CPU op (eager) against HF's GELU MLP in float64: <= 2x plain PyTorch's error."""
-    x, b, r = _inputs(dtype)
+    x, b, r = gelu_residual_inputs(dtype)
     for approximate in APPROX:
-        assert_matches_reference(torch.ops.fastflow.gelu_residual(x, b, r, approximate), _gelu_mlp,
+        assert_matches_reference(torch.ops.fastflow.gelu_residual(x, b, r, approximate), gelu_mlp,
                                  (x, b, r, approximate), interpreted=False)
 
 
-def test_fused_compiled_graph_matches_float64_hf_math():
-    """F.gelu (erf and tanh) and GPT-2's written-out NewGELU, each followed by the residual add,
-    compiled by fastflow (fused, then Inductor's C++) in fp32 and bf16 in one graph, against float64."""
-    args32, args16 = _inputs(torch.float32), _inputs(torch.bfloat16)
-
-    def mlps(*t):
-        return [f for x, b, r in (t[:3], t[3:]) for f in
-                (_gelu_mlp(x, b, r, "none"), _gelu_mlp(x, b, r, "tanh"), _new_gelu(x, r))]
-
-    out = fastflow_compiled(mlps, *args32, *args16, ops={"gelu_residual": 6})
-    for i, (x, b, r) in enumerate((args32, args16)):
-        assert_matches_reference(out[3 * i], _gelu_mlp, (x, b, r, "none"), interpreted=False)
-        assert_matches_reference(out[3 * i + 1], _gelu_mlp, (x, b, r, "tanh"), interpreted=False)
-        assert_matches_reference(out[3 * i + 2], _new_gelu, (x, r), interpreted=False)

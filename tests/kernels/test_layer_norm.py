@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from ffl_backend.kernels import layer_norm as L
-from tests.helpers import DTYPES, assert_matches_reference, fastflow_compiled
+from tests.helpers import DTYPES, assert_matches_reference
+from tests.hf_math import layer_norm_hf, layer_norm_inputs
 
 SHAPES = [(5, 123), (3, 7, 576), (2, 9000)]  # odd sizes, SmolLM2's width, a row wider than one block
 AFFINE = [(True, True), (False, False), (True, False), (False, True)]  # weight?, bias?
@@ -73,32 +74,11 @@ def test_op_passes_opcheck(dtype):
     torch.library.opcheck(torch.ops.fastflow.layer_norm.default, (x, None, None, 1e-6))
 
 
-def _layer_norm(x, w, b, eps):
-    """nn.LayerNorm as GPT-2 / GPT-NeoX call it; F.layer_norm on float64 inputs is the exact answer."""
-    return torch.nn.functional.layer_norm(x, (x.shape[-1],), w, b, eps)
-
-
-def _inputs(dtype):
-    x = (torch.randn(4, 3, 576) * 3 + 2).to(dtype)  # nonzero row mean, so centring matters
-    return x, torch.nn.Parameter(torch.randn(576, dtype=dtype)), torch.nn.Parameter(torch.randn(576, dtype=dtype))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_op_on_cpu_matches_float64_layer_norm(dtype):
     """The CPU op (eager) against torch's LayerNorm in float64: <= 2x plain PyTorch's error."""
-    x, w, b = _inputs(dtype)
+    x, w, b = layer_norm_inputs(dtype)
     for args in ((x, w, b, 1e-5), (x, None, None, 1e-6), (x, w, None, 1e-5)):
-        assert_matches_reference(torch.ops.fastflow.layer_norm(*args), _layer_norm, args, interpreted=False)
+        assert_matches_reference(torch.ops.fastflow.layer_norm(*args), layer_norm_hf, args, interpreted=False)
 
 
-def test_fused_compiled_graph_matches_float64_layer_norm():
-    """F.layer_norm compiled by fastflow (fused, then Inductor's C++) in fp32 and bf16 in one graph,
-    against float64."""
-    (x, w, b), (xb, wb, bb) = _inputs(torch.float32), _inputs(torch.bfloat16)
-
-    def norms(x, w, b, xb, wb, bb):
-        return _layer_norm(x, w, b, 1e-5), _layer_norm(x, None, None, 1e-6), _layer_norm(xb, wb, bb, 1e-5)
-
-    out = fastflow_compiled(norms, x, w, b, xb, wb, bb, ops={"layer_norm": 3})
-    for o, args in zip(out, ((x, w, b, 1e-5), (x, None, None, 1e-6), (xb, wb, bb, 1e-5))):
-        assert_matches_reference(o, _layer_norm, args, interpreted=False)

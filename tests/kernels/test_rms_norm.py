@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from ffl_backend.kernels import rms_norm as R
-from tests.helpers import DTYPES, acc_dtype, assert_matches_reference, fastflow_compiled
+from tests.helpers import DTYPES, assert_matches_reference
+from tests.hf_math import add_llama_rms, gemma_rms, llama_rms, rms_norm_inputs
 
 SHAPES = [(5, 123), (3, 7, 576), (2, 9000)]  # odd sizes, SmolLM2's width, a row wider than one block
 VARIANTS = [(0.0, False), (1.0, True), (0.5, False)]  # Llama, Gemma (1 + w), offset without fp32 weight
@@ -55,53 +56,13 @@ def test_ops_pass_opcheck(dtype):
     torch.library.opcheck(torch.ops.fastflow.add_rms_norm.default, (x, res, w, 1e-6, 1.0, True))
 
 
-def _llama_rms(x, w, eps):
-    """LlamaRMSNorm.forward written out here (not the op's reference), in torch's opmath type: a
-    float64 run of it is the exact answer, a bf16 run is plain PyTorch's own error."""
-    h = x.to(acc_dtype(x))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return w * h.to(x.dtype)
-
-
-def _gemma_rms(x, w, eps):
-    """GemmaRMSNorm.forward: the `1 + w` weight applied in fp32, one rounding at the end."""
-    h = x.to(acc_dtype(x))
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return (h * (1.0 + w.to(acc_dtype(x)))).to(x.dtype)
-
-
-def _add_llama_rms(x, res, w, eps):
-    h = res + x
-    return _llama_rms(h, w, eps), h
-
-
-def _inputs(dtype, n=576):
-    return (torch.randn(4, 3, n, dtype=dtype) * 3, torch.nn.Parameter(torch.randn(n, dtype=dtype)),
-            torch.randn(4, 3, n, dtype=dtype))
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_op_on_cpu_matches_float64_hf_math(dtype):
     """The CPU ops (eager) against HF's norms evaluated in float64: <= 2x plain PyTorch's error."""
-    x, w, res = _inputs(dtype)
-    for out, form, args in [(torch.ops.fastflow.rms_norm(x, w, 1e-6), _llama_rms, (x, w, 1e-6)),
-                            (torch.ops.fastflow.rms_norm(x, w, 1e-6, 1.0, True), _gemma_rms, (x, w, 1e-6)),
-                            (torch.ops.fastflow.add_rms_norm(x, res, w, 1e-5), _add_llama_rms, (x, res, w, 1e-5))]:
+    x, w, res = rms_norm_inputs(dtype)
+    for out, form, args in [(torch.ops.fastflow.rms_norm(x, w, 1e-6), llama_rms, (x, w, 1e-6)),
+                            (torch.ops.fastflow.rms_norm(x, w, 1e-6, 1.0, True), gemma_rms, (x, w, 1e-6)),
+                            (torch.ops.fastflow.add_rms_norm(x, res, w, 1e-5), add_llama_rms, (x, res, w, 1e-5))]:
         assert_matches_reference(out, form, args, interpreted=False)
 
 
-def test_fused_compiled_graph_matches_float64_hf_math():
-    """HF's norm code compiled by fastflow (fused to the ops, then Inductor's C++) in fp32 and bf16
-    in one graph, against the same code in float64."""
-    (x, w, res), (xb, wb, resb) = _inputs(torch.float32), _inputs(torch.bfloat16)
-
-    def norms(x, w, res, xb, wb, resb):
-        return (_llama_rms(x, w, 1e-6), _gemma_rms(x, w, 1e-6), *_add_llama_rms(x, res, w, 1e-5),
-                _llama_rms(xb, wb, 1e-6), _gemma_rms(xb, wb, 1e-6), *_add_llama_rms(xb, resb, wb, 1e-5))
-
-    out = fastflow_compiled(norms, x, w, res, xb, wb, resb, ops={"rms_norm": 4, "add_rms_norm": 2})
-    for i, (a, b, r) in enumerate([(x, w, res), (xb, wb, resb)]):
-        llama, gemma, normed, summed = out[4 * i: 4 * i + 4]
-        assert_matches_reference(llama, _llama_rms, (a, b, 1e-6), interpreted=False)
-        assert_matches_reference(gemma, _gemma_rms, (a, b, 1e-6), interpreted=False)
-        assert_matches_reference((normed, summed), _add_llama_rms, (a, r, b, 1e-5), interpreted=False)

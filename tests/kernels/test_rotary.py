@@ -2,34 +2,20 @@ import pytest
 import torch
 
 from ffl_backend.kernels import rotary as R
-from tests.helpers import DTYPES, assert_matches_reference, fastflow_compiled
+from tests.helpers import DTYPES, assert_matches_reference
+from tests.hf_math import attention_qk, hf_rotary, rope_cos_sin
 
 # (head_dim, rotary_dim, seq_len): Llama-style full rotary at 64; Phi-2-style 80 (not a power of
 # two) in full and partial (32 of 80); GPT-NeoX / Pythia's rotary_pct=0.25 (16 of 64); odd L.
 CASES = [(64, 64, 13), (80, 80, 7), (80, 32, 13), (64, 16, 7)]
 
 
-def _cos_sin(batch, seq_len, rotary_dim, dtype, base=10000.0):
-    """What HF's rotary embedding returns: cat(freqs, freqs), cos/sin in the model dtype."""
-    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
-    pos = torch.arange(seq_len, dtype=torch.float32) + torch.randint(0, 100, (batch, 1))
-    emb = torch.cat([pos[..., None] * inv_freq] * 2, dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def _qk(batch, n_q, n_k, seq_len, head_dim, dtype):
-    """q and k as attention makes them: `proj(x).view(B, L, H, D).transpose(1, 2)`, non-contiguous."""
-    q = torch.randn(batch, seq_len, n_q * head_dim, dtype=dtype).view(batch, seq_len, n_q, head_dim)
-    k = torch.randn(batch, seq_len, n_k * head_dim, dtype=dtype).view(batch, seq_len, n_k, head_dim)
-    return q.transpose(1, 2), k.transpose(1, 2)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,rotary_dim,seq_len", CASES)
 def test_rotary_triton_matches_reference(dtype, head_dim, rotary_dim, seq_len):
-    q, k = _qk(2, 6, 2, seq_len, head_dim, dtype)  # GQA: 6 query heads, 2 kv heads
+    q, k = attention_qk(2, 6, 2, seq_len, head_dim, dtype)  # GQA: 6 query heads, 2 kv heads
     assert not q.is_contiguous() and not k.is_contiguous()
-    cos, sin = _cos_sin(2, seq_len, rotary_dim, dtype)
+    cos, sin = rope_cos_sin(2, seq_len, rotary_dim, dtype)
     args = (q, k, cos, sin, rotary_dim)
     out = R.rotary_triton(*args)
     assert all(t.is_contiguous() for t in out)
@@ -37,16 +23,16 @@ def test_rotary_triton_matches_reference(dtype, head_dim, rotary_dim, seq_len):
 
 
 def test_pass_through_features_are_copied_exactly():
-    q, k = _qk(1, 3, 1, 5, 80, torch.bfloat16)
-    cos, sin = _cos_sin(1, 5, 32, torch.bfloat16)
+    q, k = attention_qk(1, 3, 1, 5, 80, torch.bfloat16)
+    cos, sin = rope_cos_sin(1, 5, 32, torch.bfloat16)
     q_out, k_out = R.rotary_triton(q, k, cos, sin, 32)
     assert torch.equal(q_out[..., 32:], q[..., 32:]) and torch.equal(k_out[..., 32:], k[..., 32:])
 
 
 def test_batch_one_cos_sin_broadcast_and_contiguous_inputs():
     # HF builds position_ids of batch 1 when none are given: cos/sin (1, L, r) serve every batch row.
-    q, k = (t.contiguous() for t in _qk(3, 4, 4, 5, 64, torch.float32))
-    cos, sin = _cos_sin(1, 5, 64, torch.float32)
+    q, k = (t.contiguous() for t in attention_qk(3, 4, 4, 5, 64, torch.float32))
+    cos, sin = rope_cos_sin(1, 5, 64, torch.float32)
     torch.testing.assert_close(R.rotary_triton(q, k, cos, sin, 64), R.rotary_ref(q, k, cos, sin, 64))
 
 
@@ -58,55 +44,26 @@ def test_reference_is_hf_apply_rotary_pos_emb(dtype):
 
     for hf, head_dim, rotary_dim in [(llama_rope, 64, 64), (neox_rope, 80, 32), (phi3_rope, 64, 16),
                                      (phi3_rope, 96, 96)]:
-        q, k = _qk(2, 6, 2, 7, head_dim, dtype)
-        cos, sin = _cos_sin(2, 7, rotary_dim, dtype)
+        q, k = attention_qk(2, 6, 2, 7, head_dim, dtype)
+        cos, sin = rope_cos_sin(2, 7, rotary_dim, dtype)
         for ours, theirs in zip(R.rotary_ref(q, k, cos, sin, rotary_dim), hf(q, k, cos, sin)):
             torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("dtype,rotary_dim", [(torch.float32, 64), (torch.bfloat16, 16)])
 def test_op_passes_opcheck(dtype, rotary_dim):
-    q, k = _qk(2, 6, 2, 5, 64, dtype)
-    cos, sin = _cos_sin(2, 5, rotary_dim, dtype)
+    q, k = attention_qk(2, 6, 2, 5, 64, dtype)
+    cos, sin = rope_cos_sin(2, 5, rotary_dim, dtype)
     torch.library.opcheck(torch.ops.fastflow.rotary.default, (q, k, cos, sin, rotary_dim))
-
-
-def _rotate_half(x):
-    return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
-
-
-def _hf_rotary(q, k, cos, sin, rotary_dim):
-    """HF's apply_rotary_pos_emb with partial rotary (Phi-3 / GPT-NeoX), written here (not the op's
-    reference): float64 inputs give the exact answer, bf16 ones plain PyTorch's own error."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    out = []
-    for x in (q, k):
-        rot, rest = x[..., :rotary_dim], x[..., rotary_dim:]
-        out.append(torch.cat([rot * cos + _rotate_half(rot) * sin, rest], dim=-1))
-    return tuple(out)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("head_dim,rotary_dim", [(80, 32), (64, 64)])
 def test_op_on_cpu_matches_float64_hf_math(dtype, head_dim, rotary_dim):
     """The CPU op (eager) against HF's rotary in float64: <= 2x plain PyTorch's error."""
-    q, k = _qk(2, 6, 2, 7, head_dim, dtype)
-    cos, sin = _cos_sin(2, 7, rotary_dim, dtype)
-    assert_matches_reference(torch.ops.fastflow.rotary(q, k, cos, sin, rotary_dim), _hf_rotary,
+    q, k = attention_qk(2, 6, 2, 7, head_dim, dtype)
+    cos, sin = rope_cos_sin(2, 7, rotary_dim, dtype)
+    assert_matches_reference(torch.ops.fastflow.rotary(q, k, cos, sin, rotary_dim), hf_rotary,
                              (q, k, cos, sin, rotary_dim), interpreted=False)
 
 
-def test_fused_compiled_graph_matches_float64_hf_math():
-    """HF's apply_rotary_pos_emb (partial in fp32, full in bf16) compiled by fastflow (fused, then
-    Inductor's C++) in one graph, against float64."""
-    q, k = _qk(2, 6, 2, 7, 80, torch.float32)
-    cos, sin = _cos_sin(2, 7, 32, torch.float32)
-    qb, kb = _qk(2, 6, 2, 7, 64, torch.bfloat16)
-    cosb, sinb = _cos_sin(2, 7, 64, torch.bfloat16)
-
-    def both(q, k, cos, sin, qb, kb, cosb, sinb):
-        return _hf_rotary(q, k, cos, sin, 32), _hf_rotary(qb, kb, cosb, sinb, 64)
-
-    out32, out16 = fastflow_compiled(both, q, k, cos, sin, qb, kb, cosb, sinb, ops={"rotary": 2})
-    assert_matches_reference(out32, _hf_rotary, (q, k, cos, sin, 32), interpreted=False)
-    assert_matches_reference(out16, _hf_rotary, (qb, kb, cosb, sinb, 64), interpreted=False)
