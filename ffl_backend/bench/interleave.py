@@ -27,7 +27,8 @@ import tempfile
 
 def worker_env(cache_dir: str, code: str | None = None) -> dict:
     """A worker's environment: its own Inductor and Triton cache folder; with `code` (another checkout of
-    fastflow, `ffl-bench --code`) that checkout's package first on the path."""
+    fastflow, `ffl-bench --code`) that checkout's package first on the path of the processes the worker
+    starts (the worker itself puts it first: worker_command)."""
     path = {"PYTHONPATH": os.pathsep.join(filter(None, (code, os.environ.get("PYTHONPATH"))))} if code else {}
     return {**os.environ, **path, "TORCHINDUCTOR_CACHE_DIR": cache_dir,
             "TRITON_CACHE_DIR": os.path.join(cache_dir, "triton"),

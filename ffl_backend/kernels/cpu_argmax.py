@@ -21,10 +21,10 @@ def _fake_argmax(logits: Tensor) -> Tensor:
     return logits.new_empty(logits.shape[:-1], dtype=torch.long)
 
 
-def applies(logits: Tensor) -> bool:
-    """Whether `greedy_token` may take the C++ op for tensors on this device (outside a trace: the
+def applies(x: Tensor) -> bool:
+    """Whether `greedy_token` may take the C++ op for logits on x's device (asked outside a trace: the
     answer is a plain bool the traced step is specialized on)."""
-    return logits.device.type == "cpu" and cpu_lib.load()
+    return x.device.type == "cpu" and cpu_lib.load()
 
 
 def greedy_token(logits: Tensor, kernel: bool) -> Tensor:

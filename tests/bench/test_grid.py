@@ -86,7 +86,7 @@ def test_code_versions_add_a_row_per_checkout_with_its_path_and_ratio(tmp_path):
     """--code: each row once more per other checkout, labelled with its commit, its worker's PYTHONPATH
     led by that checkout, and its decode speed over this checkout's same row, round by round."""
     from ffl_backend.bench.grid import versus_this_checkout, with_code_versions
-    from ffl_backend.bench.interleave import worker_env
+    from ffl_backend.bench.interleave import worker_command, worker_env
 
     rows = [{"dtype": "bfloat16", "quant": q, "backend": "fastflow", "batch": 1, "prompt_len": 16}
             for q in ("none", "int8")]
@@ -95,7 +95,10 @@ def test_code_versions_add_a_row_per_checkout_with_its_path_and_ratio(tmp_path):
     assert [label(r) for r in todo] == ["bfloat16 fastflow b1 p16", f"bfloat16 fastflow b1 p16 {other}",
                                         "bfloat16 int8 fastflow b1 p16", f"bfloat16 int8 fastflow b1 p16 {other}"]
     assert worker_env("/c", todo[1]["code"])["PYTHONPATH"].split(os.pathsep)[0] == str(tmp_path)
-    assert "PYTHONPATH" not in worker_env("/c") or worker_env("/c")["PYTHONPATH"] == os.environ.get("PYTHONPATH")
+    assert worker_env("/c").get("PYTHONPATH") == os.environ.get("PYTHONPATH")  # this checkout's rows: as they were
+    command = worker_command(todo[1])
+    assert command[1] == "-c" and repr(str(tmp_path)) in command[2] and worker_command(todo[0])[1:3] == [
+        "-m", "ffl_backend.bench.worker"]
     speeds = ([10.0, 12.0, 11.0], [9.0, 12.0, 9.9], [20.0, 20.0, 20.0], [21.0, 20.0, 22.0])
     results = [{**r, "decode_tok_s": statistics.median(s), "decode_tok_s_all": s} for r, s in zip(todo, speeds)]
     versus_this_checkout(results, paired=True)
