@@ -3,7 +3,7 @@
 
     ffl-bench [--model DIR] [--backends eager inductor fastflow llamacpp] [--dtypes float32 bfloat16]
               [--quant none int8 ...] [--batch-sizes 1 ...] [--prompt-lens 16 ...] [--new-tokens 64]
-              [--warmup 1] [--repeats 3] [--schedule interleaved|sequential] [--out PREFIX]
+              [--warmup 1] [--repeats 3] [--schedule interleaved|alternating|sequential] [--out PREFIX]
 
 Writes PREFIX.json, .csv, .png and .md and prints the table. Every request is checked before any
 model is loaded; a bad one ends with a single `ffl-bench: error: ...` line and exit status 2.
@@ -87,10 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--schedule", default="interleaved", choices=SCHEDULES,
                    help="interleaved: every configuration's process stays alive and timed generates go round "
                         "robin, so a drift of the machine's speed hits all alike (holds every model in memory "
-                        "at once; falls back to sequential, with a note, where they would not fit); "
-                        "sequential: one process at a time")
+                        "at once; falls back to alternating, with a note, where they would not fit); "
+                        "alternating: one process at a time, the configurations alternating round by round (a "
+                        "fresh process per round: set-up on its warm compile cache and saved quantized model, "
+                        "warm-up, one timed generate), for models too big to hold several of; "
+                        "sequential: one process per configuration, one after another")
     p.add_argument("--no-warm-compile", action="store_true",
-                   help="skip the second process that times compilation with warm on-disk caches")
+                   help="skip the second process that times compilation with warm on-disk caches (the "
+                        "alternating schedule needs none: its later rounds start warm)")
     p.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     p.add_argument("--code", nargs="+", default=[], metavar="PATH",
                    help="other checkouts of fastflow (e.g. a git worktree of an older commit): every row runs "

@@ -6,8 +6,10 @@ raise its peak-RSS high-water mark. Compiled configurations then run a second fr
 same folder: its first generate is the *warm* compile time, i.e. what a user pays on the next start
 of the same model when Inductor's on-disk caches already hold the compiled code (Dynamo still traces).
 Schedule: by default every configuration's process stays alive and the timed generates go round robin
-(interleave.py), so a drift of the machine's speed cancels out of the ratios; "sequential" runs one
-process at a time.
+(interleave.py), so a drift of the machine's speed cancels out of the ratios; where they would not all
+fit in memory, "alternating" runs one process at a time but alternates the configurations round by
+round (interleave.py), which keeps the per-round ratios; "sequential" runs one configuration after
+another, all its generates in one process.
 Outputs are checked before speeds are compared: greedy tokens against eager of the same dtype, batch
 and prompt (unquantized), as the length of the matching prefix.
 """
@@ -27,14 +29,15 @@ import time
 
 from ..quant.schemes import PRESETS, SCHEMES
 from . import llamacpp, onnxruntime_rows
-from .interleave import fits_in_memory, run_worker, setup_order, time_interleaved
+from .interleave import fits_in_memory, memory_needed_gb, run_worker, setup_order, time_alternating, time_interleaved
 
 BACKENDS = ("eager", "inductor", "fastflow", "llamacpp", *onnxruntime_rows.BACKENDS)
 DEFAULT_BACKENDS = BACKENDS[:3]  # the others need optional packages (and an export): asked for by name
 OUT_OF_TORCH = ("llamacpp", *onnxruntime_rows.BACKENDS)  # rows that run no torch model: nothing compiles
 DTYPES = ("float32", "bfloat16")
 QUANTS = ("none", *SCHEMES, *PRESETS)  # "none": the model as loaded
-SCHEDULES = ("interleaved", "sequential")
+SCHEDULES = ("interleaved", "alternating", "sequential")
+PAIRED = ("interleaved", "alternating")  # decode_tok_s_all[i] of every row comes from round i
 
 
 def skip_reason(cfg: dict) -> str | None:
@@ -140,15 +143,18 @@ def _with_warm_compile(cfg: dict, measured: dict, cache_dir: str, warm_compile: 
     return res
 
 
-def choose_schedule(requested: str, todo: list[dict], log=print) -> str:
-    """`requested`, unless interleaving would hold more memory than the machine has: then sequential,
-    said in the log (an out-of-memory kill would lose the whole grid)."""
-    if requested == "interleaved":
-        fits, figures = fits_in_memory(todo)
-        if not fits:
-            log(f"  interleaved schedule would not fit ({figures}): running one configuration at a time")
-            return "sequential"
-    return requested
+def choose_schedule(requested: str, todo: list[dict], log=print) -> tuple[str, str]:
+    """(schedule, why): `requested`, unless interleaving would hold more memory than the machine has:
+    then alternating, said in one line of the log (an out-of-memory kill would lose the whole grid)."""
+    if requested != "interleaved":
+        return requested, "requested"
+    fits, figures = fits_in_memory(todo)
+    if fits:
+        return requested, f"every configuration fits in memory at once ({figures})"
+    largest = max(memory_needed_gb([cfg]) for cfg in todo)
+    log(f"  interleaved schedule would not fit ({figures}): alternating schedule instead -- one configuration "
+        f"process at a time (the largest ~{largest:.1f} GB), configurations alternating round by round")
+    return "alternating", f"interleaved would not fit: {figures}"
 
 
 def run_sequential(todo: list[dict], warm_compile: bool = True, bar=None) -> list[dict]:
@@ -161,6 +167,22 @@ def run_sequential(todo: list[dict], warm_compile: bool = True, bar=None) -> lis
         if bar:
             bar.show(f"finished {label(cfg)}", finished=True)
     return results
+
+
+def run_alternating(todo: list[dict], repeats: int, bar=None) -> list[dict]:
+    """One configuration process at a time, alternating round by round (interleave.time_alternating), each
+    configuration on a cache folder of its own kept across its rounds."""
+    cache_dirs = [tempfile.mkdtemp(prefix="ffl-bench-") for _ in todo]
+    try:
+        def progress(r, i, done):
+            if bar:
+                bar.show(f"round {r + 1}/{repeats}: {'finished' if done else 'ran'} {label(todo[i])}", finished=done)
+
+        rows = time_alternating(todo, cache_dirs, repeats, on_progress=progress)
+        return [{**cfg, **row} for cfg, row in zip(todo, rows)]
+    finally:
+        for cache_dir in cache_dirs:
+            shutil.rmtree(cache_dir, ignore_errors=True)
 
 
 def run_interleaved(todo: list[dict], repeats: int, warm_compile: bool = True, bar=None) -> list[dict]:
@@ -316,8 +338,9 @@ def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new
              device="cpu", threads=None, progress=True, schedule="interleaved", fastflow_variants=(None,),
              left_pad=False, tps=(1,), codes=()) -> dict:
     """Run every configuration of the grid, each in its own process; `prompt_len` is one length or
-    several. `schedule`: "interleaved" (all processes alive, timed round robin) or "sequential" (one
-    process at a time). `left_pad`: batches of prompts of different lengths (session.batch_prompts).
+    several. `schedule`: "interleaved" (all processes alive, timed round robin; alternating where they
+    would not fit), "alternating" (a process per configuration per round) or "sequential" (a process
+    per configuration). `left_pad`: batches of prompts of different lengths (session.batch_prompts).
     `tps`: tensor-parallel degrees (1 = one process; N: the model split over N torchrun ranks).
     `codes`: other checkouts of fastflow whose package runs each row once more (with_code_versions).
     Returns {"environment", "bandwidth", "settings", "results", "skipped"}."""
@@ -342,17 +365,19 @@ def run_grid(model, backends=DEFAULT_BACKENDS, dtypes=DTYPES, prompt_len=16, new
     ort_cfgs = [cfg for cfg in todo if cfg["backend"] in onnxruntime_rows.BACKENDS]
     if ort_cfgs:
         onnxruntime_rows.prepare(ort_cfgs, log)
-    settings["schedule"] = schedule = choose_schedule(schedule, todo, log)
+    schedule, settings["schedule_reason"] = choose_schedule(schedule, todo, log)
+    settings["schedule"] = schedule
     bar = Progress(len(todo)) if progress else None
     results = (run_interleaved(todo, repeats, warm_compile, bar) if schedule == "interleaved"
+               else run_alternating(todo, repeats, bar) if schedule == "alternating"
                else run_sequential(todo, warm_compile, bar))
     for res in results:
         log(f"  {label(res):32s} " + (f"{res['decode_tok_s']:.1f} tok/s" if "error" not in res
                                       else f"ERROR {res['error']}"))
     add_ceilings(results, device)
     agreement(results)
-    speedups(results, paired=schedule == "interleaved")
-    versus_this_checkout(results, paired=schedule == "interleaved")
+    speedups(results, paired=schedule in PAIRED)
+    versus_this_checkout(results, paired=schedule in PAIRED)
     for r in results:
         if "vs_this_checkout" in r:
             log(f"  {label(r)} vs this checkout: {r.get('vs_this_checkout_paired', r['vs_this_checkout']):.3f}x")

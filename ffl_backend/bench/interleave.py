@@ -6,20 +6,39 @@ Why: on a shared or virtualized CPU the same configuration can run much faster i
 another (docs/performance.md#the-benchmark-harness); when configurations run one after the other, a
 ratio between two rows says as much about when each ran as about the configurations. Interleaving keeps
 what isolation gives -- each configuration's compile, allocator and peak RSS are still its own
-process's -- at the price of holding every configuration's model in memory at once
-(`--schedule sequential` runs them one at a time).
+process's -- at the price of holding every configuration's model in memory at once.
 
 Set-up (load, quantize, compile, warm-up) still happens one configuration at a time, while the
 others wait idle, so compile times are measured alone; quantized configurations are set up first
 (`setup_order`). Rounds alternate direction (A B C, C B A, ...) so that no configuration always
 follows the same neighbour. The memory every process holds at once is estimated first; where it
-would not fit, the grid runs sequentially instead (grid.choose_schedule).
+would not fit, the grid runs on the alternating schedule instead (grid.choose_schedule).
+
+The alternating schedule (`time_alternating`), for models whose configurations' processes cannot all
+be alive at once (two bf16 copies of an 8B model do not fit a 24 GiB machine): one configuration
+process at a time, but the configurations alternate round by round in the same order (round_orders),
+so round i of every configuration runs within the same stretch of time, a drift of the machine's
+speed hits all alike and the median of per-round ratios stays meaningful. Each round is a fresh
+process (worker.run_one): set up, warm-up, one timed generate (as the interleaved schedule times one
+per configuration per round), exit. What makes the later rounds' set-up fast: each configuration
+keeps its own Inductor/Triton cache folder across its rounds, so only its first round compiles cold;
+and a quantized configuration's first round saves its quantized model (`save_quantized`, into that
+folder), which the later rounds load (`load_quantized`) instead of quantizing again -- minutes per
+round for a 3B model's fitted int4 grids. Every round's tokens are compared with the first round's
+(`deterministic`), so a saved model that decoded differently would show.
+A configuration's row keeps the interleaved schedule's shape (merge_rounds): `decode_tok_s_all[i]`
+(and `ttft_s_all[i]`) come from round i; load, quantize and cold compile are its first round's (what a
+user pays on a first start); compile_warm_s is the median of the later rounds' first generate minus
+their timed one (no extra process is needed for it); peak RSS is the highest of its rounds' processes
+(as a rule the first, which loads the checkpoint and quantizes), every round's in `peak_rss_mb_all`.
+`--schedule sequential` runs one process per configuration, all its generates in it, one after another.
 """
 from __future__ import annotations
 
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -242,3 +261,72 @@ def time_interleaved(cfgs: list[dict], cache_dirs: list[str], repeats: int, on_p
             if w is not None:
                 w.close()
 
+
+TORCH_BACKENDS = ("eager", "inductor", "fastflow")  # rows that load a transformers model (and may quantize it)
+COMPILED = ("inductor", "fastflow")
+
+
+def round_config(cfg: dict, cache_dir: str) -> dict:
+    """One round's worker configuration: one timed generate; a quantized torch row (one process: a
+    tensor-parallel row shards as it loads) names the folder its quantized model is kept in."""
+    keep = (cfg["backend"] in TORCH_BACKENDS and cfg.get("quant", "none") != "none" and cfg.get("tp", 1) == 1)
+    return {**cfg, "repeats": 1, **({"quantized_dir": os.path.join(cache_dir, "quantized")} if keep else {})}
+
+
+def time_alternating(cfgs: list[dict], cache_dirs: list[str], repeats: int, on_progress=None) -> list[dict]:
+    """`repeats` rounds; in each, every configuration (in round_orders' order) runs one process on its
+    own cache folder. Returns each configuration's merged row (merge_rounds) or {"error": ...}, in
+    `cfgs` order; a configuration whose round fails runs no further rounds. `on_progress(r, i, done)`
+    is called after configuration i's process of round r (`done`: it was its last)."""
+    rounds: list[list[dict]] = [[] for _ in cfgs]
+    errors: list = [None] * len(cfgs)
+    for r, order in enumerate(round_orders(len(cfgs), repeats)):
+        for i in order:
+            if errors[i] is not None:
+                continue
+            out = run_worker(round_config(cfgs[i], cache_dirs[i]), cache_dirs[i])
+            if "error" in out:
+                errors[i] = out["error"] if r == 0 else f"round {r + 1}: {out['error']}"
+            else:
+                rounds[i].append(out)
+            if on_progress:
+                on_progress(r, i, errors[i] is not None or r == repeats - 1)
+    return [{"error": e} if e is not None else merge_rounds(cfg, rs) for cfg, rs, e in zip(cfgs, rounds, errors)]
+
+
+def _all_or_none(flags: list):
+    """True/False over every round; None where any round said None (rows held different prompts)."""
+    return None if None in flags else all(flags)
+
+
+def merge_rounds(cfg: dict, rounds: list[dict]) -> dict:
+    """One row from the summaries of a configuration's round processes (each of one timed generate),
+    with the keys a row of the interleaved schedule has (session.summarize_runs), per-round lists
+    ordered by round."""
+    first = rounds[0]
+    rates = [r["decode_tok_s"] for r in rounds]
+    ttfts = [r["ttft_s"] for r in rounds]
+    rate, ttft = statistics.median(rates), statistics.median(ttfts)
+    highest = max(rounds, key=lambda r: r.get("peak_rss_mb") or 0.0)
+    warm = [r["compile_cold_s"] for r in rounds[1:]]  # later rounds start on warm caches
+    res = {
+        **first,
+        **{key: highest.get(key) for key in ("peak_rss_mb", "runtime_rss_mb", "model_peak_rss_mb")},
+        "generate_s": statistics.median(r["generate_s"] for r in rounds),
+        "ttft_s": ttft, "ttft_s_all": ttfts, "prefill_tok_s": cfg.get("batch", 1) * cfg["prompt_len"] / ttft,
+        "decode_tok_s": rate, "decode_tok_s_all": rates, "decode_tok_s_min": min(rates),
+        "decode_tok_s_max": max(rates), "decode_spread_pct": 100 * (max(rates) - min(rates)) / rate,
+        "compile_warm_s": statistics.median(warm) if warm and cfg["backend"] in COMPILED else None,
+        "peak_rss_mb_all": [r.get("peak_rss_mb") for r in rounds],
+        "load_s_all": [r.get("load_s") for r in rounds],
+        "quantize_s_all": [r.get("quantize_s") for r in rounds],  # 0 where a round loaded the saved model
+        "rows_equal": _all_or_none([r.get("rows_equal") for r in rounds]),
+        "deterministic": all(r.get("deterministic", True) and r["tokens"] == first["tokens"] for r in rounds),
+        "rounds": len(rounds),
+    }
+    for key in ("recompiles", "graphs_compiled_while_timed", "cuda_peak_mb"):
+        values = [r[key] for r in rounds if r.get(key) is not None]
+        res[key] = max(values) if values else first.get(key)
+    if first.get("weight_bytes"):  # every decode step reads the weights once, whatever the batch
+        res["effective_gbs"] = first["weight_bytes"] * rate / cfg.get("batch", 1) / 1e9
+    return res

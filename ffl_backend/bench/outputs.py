@@ -99,16 +99,11 @@ def _isa_note(isa: dict | None) -> str:
 def header(grid: dict) -> str:
     """Where and how the figures were measured, in markdown."""
     env, bw, st = grid["environment"], grid.get("bandwidth", {}), grid.get("settings", {})
-    interleaved = st.get("schedule") == "interleaved"
     lines = [f"`{grid['command']}`" if grid.get("command") else "",
              f"{env['machine']}; torch {env['torch']}, transformers {env['transformers']}, "
              f"{env['torch_threads']} threads; {env['date']}." + _isa_note(env.get("instruction_sets")),
              f"{st.get('new_tokens')} new tokens, greedy; median of {st.get('repeats')} timed generates after "
-             f"{st.get('warmup')} warm-up (the first compiles). Each configuration in its own process with its "
-             + ("own Inductor cache, all processes alive and timed round robin (one generate each per round), "
-                "so *vs inductor* is the median of the per-round ratios; " if interleaved else
-                "own Inductor cache, one process after another; ")
-             + f"*warm* compile = a second process reusing that on-disk cache. Peak RSS in "
+             f"{st.get('warmup')} warm-up (the first compiles). " + _schedule_note(st) + " Peak RSS in "
              f"brackets: above the runtime's own RSS (torch, transformers, the modeling code and, when compiling, "
              f"Inductor, imported before the model loads). Read ceiling "
              f"of this machine: {_fmt(bw.get('dram_read_gbs'), '.1f')} GB/s from DRAM (1 GiB), "
@@ -130,6 +125,25 @@ def header(grid: dict) -> str:
         by_reason.setdefault(s["reason"], []).append(label(s))
     lines += [f"Skipped ({reason}): {', '.join(names)}." for reason, names in by_reason.items()]
     return "\n\n".join(line for line in lines if line)
+
+
+def _schedule_note(st: dict) -> str:
+    """How the configurations' processes ran, and why that schedule (absent from older files)."""
+    schedule = st.get("schedule")
+    why = f" (schedule {schedule}: {st['schedule_reason']})" if st.get("schedule_reason") else ""
+    if schedule == "alternating":
+        return ("Each configuration in processes of its own, one process at a time, the configurations "
+                "alternating round by round (a fresh process per configuration per round: set-up on its own "
+                "Inductor cache, kept across its rounds, and a quantized model saved by its first round; "
+                f"warm-up; one timed generate){why}, so *vs inductor* is the median of the per-round ratios; "
+                "load, quantize and cold compile are each configuration's first round's, *warm* compile its later "
+                "rounds' (median), peak RSS the highest of its rounds.")
+    if schedule == "interleaved":
+        return ("Each configuration in its own process with its own Inductor cache, all processes alive and timed "
+                f"round robin (one generate each per round){why}, so *vs inductor* is the median of the per-round "
+                "ratios; *warm* compile = a second process reusing that on-disk cache.")
+    return ("Each configuration in its own process with its own Inductor cache, one process after another"
+            f"{why}; *warm* compile = a second process reusing that on-disk cache.")
 
 
 def _llama_cpp_note(info: dict) -> str:
@@ -198,7 +212,7 @@ def write_png(grid: dict, path: str) -> None:
     top.grid(axis="y", alpha=0.3)
     top.margins(y=0.15)
     bottom.axhline(1.0, color="black", linewidth=0.8, linestyle="--")
-    paired = grid.get("settings", {}).get("schedule") == "interleaved"
+    paired = grid.get("settings", {}).get("schedule") in ("interleaved", "alternating")
     bottom.set_ylabel("speedup vs Inductor")
     bottom.set_xlabel("configuration: dtype, quantization, batch size b, prompt length p (tokens)")
     bottom.grid(axis="y", alpha=0.3)

@@ -159,11 +159,19 @@ def import_runtime(cfg: dict) -> float | None:
 
 def load_model(cfg: dict):
     """(model, tokenizer, load seconds, quantize seconds) for a config with keys model, dtype and
-    optionally device and quant (a quantize() scheme or preset)."""
+    optionally device and quant (a quantize() scheme or preset). With `quantized_dir` (the alternating
+    schedule's rounds: interleave.time_alternating) the model quantized by an earlier process of the same
+    configuration is loaded from there, or, the first time, saved there once quantized."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    saved = cfg.get("quantized_dir") if cfg.get("quant", "none") != "none" else None
     t0 = time.perf_counter()
+    if saved and os.path.isfile(os.path.join(saved, "ffl_quant.json")):
+        from ..quant.serialization import load_quantized
+
+        model = load_quantized(saved, cfg.get("device", "cpu"))
+        return model, AutoTokenizer.from_pretrained(cfg["model"]), time.perf_counter() - t0, 0.0
     if cfg.get("tp", 1) > 1:  # under torchrun: transformers shards it over the ranks as it loads
         model = AutoModelForCausalLM.from_pretrained(cfg["model"], dtype=getattr(torch, cfg["dtype"]), tp_plan="auto")
     else:
@@ -179,7 +187,27 @@ def load_model(cfg: dict):
         t0 = time.perf_counter()
         quantize(model, cfg["quant"])
         quantize_s = time.perf_counter() - t0
+        if saved:
+            _save_quantized(model, saved)
     return model, tok, load_s, quantize_s
+
+
+def _save_quantized(model, folder: str) -> None:
+    """Save for the next rounds, complete or not at all (written beside, then renamed); a failure only
+    costs them a quantize of their own, so it is reported, not raised."""
+    import shutil
+    import sys
+
+    from ..quant.serialization import save_quantized
+
+    partial = folder + ".partial"
+    try:
+        save_quantized(model, partial)
+        os.replace(partial, folder)
+    except Exception as exc:  # noqa: BLE001  (any failure: the measurement itself stands)
+        shutil.rmtree(partial, ignore_errors=True)
+        print(f"ffl-bench worker: quantized model not saved for later rounds ({type(exc).__name__}: {exc})",
+              file=sys.stderr)
 
 
 class Session:

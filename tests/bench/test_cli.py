@@ -31,6 +31,14 @@ def test_over_length_request(tiny_folder):
 def test_non_positive_count(tiny_folder):
     one_line_error(run_bench("--model", str(tiny_folder), "--repeats", "0"), "positive integer")
 
+def test_schedules_on_the_command_line():
+    from ffl_backend.bench.cli import build_parser
+
+    assert build_parser().parse_args([]).schedule == "interleaved"  # alternating where it would not fit
+    assert build_parser().parse_args(["--schedule", "alternating"]).schedule == "alternating"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--schedule", "round-robin"])
+
 def test_fastflow_options_must_be_json_objects(tiny_folder):
     one_line_error(run_bench("--model", str(tiny_folder), "--fastflow-options", "[1]"), "expected a JSON object")
 

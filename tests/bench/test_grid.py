@@ -47,6 +47,59 @@ def test_sequential_schedule_runs_one_process_at_a_time(tiny_folder, tmp_path):
     assert len(row["decode_tok_s_all"]) == 2 and "speedup_vs_inductor_paired" not in row
     assert "one process after another" in out.with_suffix(".md").read_text()
 
+def test_a_grid_that_does_not_fit_runs_alternating_and_says_so(tiny_folder, monkeypatch):
+    """run_grid: interleaving asked for (the default) but not fitting -> the alternating schedule, one
+    log line saying why, the schedule and its reason in the settings, per-round (paired) ratios."""
+    from ffl_backend.bench import bandwidth, grid
+
+    monkeypatch.setattr(grid, "fits_in_memory", lambda todo: (False, "~31.0 GB memory needed for all "
+                                                                      "configurations at once, 20.0 GB available"))
+    monkeypatch.setattr(bandwidth, "machine_bandwidth", lambda device: {})
+    monkeypatch.setattr(grid, "add_ceilings", lambda results, device: None)
+    ran = []
+
+    def fake_alternating(todo, repeats, bar=None):
+        ran.append([label(c) for c in todo])
+        return [{**c, "decode_tok_s": statistics.median(s), "decode_tok_s_all": s, "tokens": [1]}
+                for c, s in zip(todo, ([10.0, 20.0, 30.0], [20.0, 20.0, 60.0]))]
+
+    monkeypatch.setattr(grid, "run_alternating", fake_alternating)
+    logged = []
+    out = grid.run_grid(str(tiny_folder), ["eager", "inductor"], ["bfloat16"], 4, 3, 3, log=logged.append,
+                        progress=False)
+    assert ran == [["bfloat16 eager b1 p4", "bfloat16 inductor b1 p4"]]
+    (line,) = [x for x in logged if "would not fit" in x]
+    assert "20.0 GB available): alternating schedule instead -- one configuration process at a time" in line
+    assert out["settings"]["schedule"] == "alternating"
+    assert out["settings"]["schedule_reason"].startswith("interleaved would not fit: ~31.0 GB")
+    eager = out["results"][0]
+    assert eager["speedup_vs_inductor_paired"] == pytest.approx(statistics.median([0.5, 1.0, 0.5]))
+
+
+@pytest.mark.slow  # 4 worker processes: ~30 s on a quiet 2-core VM, minutes beside a busy one
+def test_alternating_schedule_end_to_end(tiny_folder, tmp_path):
+    """--schedule alternating on eager rows: a process per configuration per round; the int8 row's
+    later rounds load the model its first round quantized and saved (no quantize of their own) and
+    decode the same tokens; rows carry per-round figures and paired ratios like interleaved ones."""
+    out = tmp_path / "alt"
+    proc = run_bench("--model", str(tiny_folder), "--backends", "eager", "--dtypes", "bfloat16", "--quant", "none",
+                     "int8", "--prompt-lens", "4", "--new-tokens", "3", "--repeats", "2", "--threads", "1",
+                     "--schedule", "alternating", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "round 2/2: finished bfloat16 int8 eager b1 p4" in proc.stderr
+    grid = json.loads(out.with_suffix(".json").read_text())
+    assert grid["settings"]["schedule"] == "alternating" and grid["settings"]["schedule_reason"] == "requested"
+    plain, int8 = grid["results"]
+    for r in (plain, int8):
+        assert "error" not in r and r["rounds"] == 2 and len(r["decode_tok_s_all"]) == len(r["ttft_s_all"]) == 2
+        assert r["deterministic"] and len(r["tokens"]) == 3 and "quantized_dir" not in r and r["repeats"] == 2
+        assert len(r["peak_rss_mb_all"]) == 2 and r["peak_rss_mb"] == max(r["peak_rss_mb_all"])
+        assert r["compile_warm_s"] is None  # eager: nothing compiles
+    assert int8["quantize_s_all"][0] > 0 and int8["quantize_s_all"][1] == 0.0  # round 2 loaded the saved model
+    assert plain["tokens_equal_eager"] and "matching_prefix" in int8
+    assert "alternating round by round (a fresh process" in out.with_suffix(".md").read_text()
+
+
 @pytest.mark.slow  # measured cost and the fast set's budget: docs/testing.md
 def test_tensor_parallel_rows_run_under_torchrun_and_report_the_all_reduce(tiny_folder, tmp_path):
     """--tp 1 2: the split rows run as 2 ranks (rank 0 answers, the others follow its requests), make the

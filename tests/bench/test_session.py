@@ -69,3 +69,21 @@ def test_left_padded_batches_hold_prompts_of_different_lengths():
     model = tiny_model("llama")
     run = time_generate(model, ids, 5, mask)
     assert run["rows_equal"] is None and run["tokens"] == time_generate(model, ids[:1], 5)["tokens"]
+
+
+def test_a_quantized_model_is_saved_once_and_loaded_by_later_rounds(tiny_folder, tmp_path):
+    """The alternating schedule's rounds (quantized_dir): the first quantizes and saves, a later one loads
+    that model instead of quantizing, and both decode the same tokens."""
+    import torch
+
+    from ffl_backend.bench.session import load_model, time_generate
+
+    cfg = {"model": str(tiny_folder), "dtype": "bfloat16", "quant": "int8", "quantized_dir": str(tmp_path / "q")}
+    ids = torch.tensor([[3, 4, 5, 6]])
+    first, _, _, quantize_s = load_model(cfg)
+    assert quantize_s > 0 and (tmp_path / "q" / "ffl_quant.json").is_file() and not (tmp_path / "q.partial").exists()
+    later, _, load_s, quantize_s = load_model(cfg)
+    assert quantize_s == 0.0 and load_s > 0 and later is not first
+    assert time_generate(later, ids, 4)["tokens"] == time_generate(first, ids, 4)["tokens"]
+    plain = load_model({**cfg, "quant": "none", "quantized_dir": str(tmp_path / "p")})[0]
+    assert not (tmp_path / "p").exists() and not hasattr(plain, "_ffl_quant")  # nothing to keep unquantized
