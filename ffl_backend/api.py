@@ -27,6 +27,8 @@ import logging
 
 import torch
 
+from . import progress
+
 logger = logging.getLogger("ffl_backend")
 
 DEFAULT_MAX_SEQ_LEN = 2048
@@ -99,12 +101,15 @@ def _checked_generate(model, generate, max_batch_size: int, max_seq_len: int):
     return checked
 
 
-def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | None = None,
+def optimize(model, *, quant=None, calibration_data=None, max_batch_size: int = 1, max_seq_len: int | None = None,
              attention: str | None = "fastflow", mode: str | None = DEFAULT_MODE, decode_loop: bool = True,
              kv_cache_dtype=None, **backend_options):
     """Patch `model` in place for fast generation and return it (see the module docstring).
 
     quant: what `ffl_backend.quantize` takes ("int8", a config, ...), or None.
+    calibration_data: what `ffl_backend.quantize` takes with it: an iterable of input_ids tensors
+        ((1, L) or (B, L)) from text like the model's real inputs. Needed by the presets that calibrate
+        ("w8a8-smooth", "w8a8-static", algorithm="gptq"); int4 uses it to weigh its rounding error.
     max_batch_size, max_seq_len: the static cache's shape; max_seq_len defaults to
         min(config.max_position_embeddings, 2048). Requests beyond either raise before any work.
     attention: "fastflow" (default), another transformers implementation name, or None to keep.
@@ -116,6 +121,10 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
         K and V quantized with one fp32 scale per token and KV head (attention/kv_quant.py), about half
         a bf16 cache; the attention ops dequantize as they read. Needs attention="fastflow".
     backend_options: options of the fastflow backend (ffl_backend.config.BackendOptions).
+
+    Progress: bars on stderr while quantizing and tuning when it is a terminal (FFL_PROGRESS=0 never,
+    =1 always), then one INFO line of seconds per phase (quantize, setup, kernels, autotune;
+    ffl_backend/progress.py). Decode compiles later, at the first generate(), which logs its time.
     """
     from . import hf_attention as hf
     from . import prompt_linears
@@ -138,30 +147,39 @@ def optimize(model, *, quant=None, max_batch_size: int = 1, max_seq_len: int | N
         max_seq_len = default_max_seq_len(model.config)
     if max_batch_size < 1 or max_seq_len < 2:
         raise ValueError("max_batch_size must be >= 1 and max_seq_len >= 2")
+    if calibration_data is not None and quant is None:
+        raise ValueError("calibration_data is for quantization: pass quant=... with it (e.g. quant=\"w8a8-smooth\")")
     if getattr(model, _STATE, None) is not None:
         restore(model)
-    if quant is not None:
-        model = quantize(model, quant)
-    gc = model.generation_config
-    state = {"generation": {k: getattr(gc, k, None) for k in
-                            ("cache_implementation", "max_cache_len", "compile_config", "disable_compile")}}
-    state["attention"] = hf.install(model, attention, kv_dtype)
-    state["prompt_linears"] = prompt_linears.install(model)  # CPUs without bf16 matmul: fastflow's GEMM
-    # q/k/v and gate/up as slices of one tensor: horizontal fusion then reuses it instead of copying
-    share_fused_storage(model)
-    configure_generate(model, backend="fastflow", options=backend_options, max_cache_len=max_seq_len, mode=mode)
-    if next(model.parameters()).device.type == "cpu":
-        from .kernels import cpu_gemv  # built and tuned now: nothing is timed while compiling
+    with progress.timed("optimize") as phase:  # one line of seconds per phase (progress.py)
+        if quant is not None:
+            with phase("quantize"):
+                model = quantize(model, quant, calibration_data=calibration_data)
+        with phase("setup"):
+            gc = model.generation_config
+            state = {"generation": {k: getattr(gc, k, None) for k in
+                                    ("cache_implementation", "max_cache_len", "compile_config", "disable_compile")}}
+            state["attention"] = hf.install(model, attention, kv_dtype)
+            state["prompt_linears"] = prompt_linears.install(model)  # CPUs without bf16 matmul: fastflow's GEMM
+            # q/k/v and gate/up as slices of one tensor: horizontal fusion then reuses it instead of copying
+            share_fused_storage(model)
+            configure_generate(model, backend="fastflow", options=backend_options, max_cache_len=max_seq_len,
+                               mode=mode)
+        if next(model.parameters()).device.type == "cpu":
+            from .kernels import cpu_gemv  # built and tuned now: nothing is timed while compiling
 
-        cpu_gemv.ready()
-        prompt_linears.pretune(model)  # the rows from which prompts take fastflow's GEMM, per shape
-    else:
-        from .quant.modules import pretune_linears  # the Triton tiles of decode's shape, likewise
+            with phase("kernels"):
+                cpu_gemv.ready()
+            with phase("autotune"):
+                prompt_linears.pretune(model)  # the rows from which prompts take fastflow's GEMM, per shape
+        else:
+            from .quant.modules import pretune_linears  # the Triton tiles of decode's shape, likewise
 
-        pretune_linears(model, max_batch_size)
-    generate = DecodeLoop(model, model.generate, max_seq_len, kv_dtype) if decode_loop else model.generate
-    model.generate = _checked_generate(model, generate, max_batch_size, max_seq_len)
-    setattr(model, _STATE, state)
+            with phase("autotune"):
+                pretune_linears(model, max_batch_size)
+        generate = DecodeLoop(model, model.generate, max_seq_len, kv_dtype) if decode_loop else model.generate
+        model.generate = _checked_generate(model, generate, max_batch_size, max_seq_len)
+        setattr(model, _STATE, state)
     # the decode loop's caches hold only the window for sliding layers (window_cache.py)
     rolling = decode_loop and model.config._attn_implementation == hf.NAME
     cache_dtype = kv_dtype or model.dtype

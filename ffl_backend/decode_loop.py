@@ -19,10 +19,11 @@ reason logged once per reason.
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
-from . import replay
+from . import progress, replay
 from .generation import cache_kwarg
 from .kernels import cpu_argmax as cpu_argmax_op
 
@@ -86,6 +87,7 @@ class DecodeLoop:
         self.model, self.hf_generate, self.max_seq_len, self.kv_dtype = model, generate, max_seq_len, kv_dtype
         self._caches: dict = {}
         self._steps: dict = {}  # compile config -> compiled decode_step
+        self._called: set = set()  # the compiled steps called at least once (compiled by then)
         self._may_skip_guards = sum(1 for _ in model.buffers()) <= replay.MAX_BUFFERS_TO_SKIP_GUARDS
         self._keep = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
         self._cache_kw = cache_kwarg(model)
@@ -182,7 +184,9 @@ class DecodeLoop:
         inputs = dict(input_ids=ids.new_zeros((batch, 1)), attention_mask=self._decode_mask(ids, attention_mask),
                       position_ids=ids.new_empty((batch, 1)).copy_(positions[:, -1:]),  # fixed strides
                       cache=cache, keep=self._keep, cpu_argmax=cpu_argmax, cache_kw=self._cache_kw)
-        steps = replay.DecodeSteps(model, self._compiled_step(gc), inputs, self._may_skip_guards)
+        step = self._compiled_step(gc)
+        steps = replay.DecodeSteps(model, step, inputs, self._may_skip_guards)
+        compiling = step is not decode_step and step not in self._called
         unfinished = torch.ones(batch, dtype=torch.bool, device=ids.device)
         eos, pad = gc._eos_token_tensor, gc._pad_token_tensor
         # max length and eos are checked here; other stopping criteria (stop strings, max_time, the
@@ -214,7 +218,11 @@ class DecodeLoop:
             inputs["position_ids"] += 1
             if inputs["attention_mask"].dim() == 4:
                 inputs["attention_mask"][..., length - 1] = True  # the slot the fed token is written to
-            logits, best = steps(length - prompt)
+            if compiling:
+                logits, best = self._first_call(steps, step)
+                compiling = False
+            else:
+                logits, best = steps(length - prompt)
         if streamer is not None:
             streamer.end()
         return sequences[:, :length]
@@ -227,6 +235,20 @@ class DecodeLoop:
         if key not in self._steps:
             self._steps[key] = torch.compile(decode_step, **gc.compile_config.to_dict())
         return self._steps[key]
+
+    def _first_call(self, steps, step):
+        """Decode step 1 through a step never called before: Dynamo and Inductor compile it now, tens of
+        seconds on a CPU with nothing to count, so a status line on a terminal and the seconds logged."""
+        from torch._dynamo import convert_frame
+
+        before = sum(convert_frame.FRAME_COMPILE_COUNTER.values())
+        start = time.perf_counter()
+        with progress.status("fastflow: compiling the decode step (Dynamo + Inductor)"):
+            out = steps(1)
+        self._called.add(step)
+        if sum(convert_frame.FRAME_COMPILE_COUNTER.values()) > before:  # (not when Dynamo had it cached)
+            logger.info("fastflow: first generate compiled decode in %.1f s", time.perf_counter() - start)
+        return out
 
     def _decode_mask(self, ids, attention_mask):
         """The mask handed to every decode step, updated in place. With fastflow attention: the

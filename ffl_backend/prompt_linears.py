@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from . import progress
 from .kernels import cpu_gemm
 
 _KINDS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -73,9 +74,12 @@ def pretune(model) -> None:
         elif getattr(module, "scheme", None) == "int4" and getattr(module, "cpu_packed", None) is not None \
                 and module.cpu_packed.dim() == 3:
             shapes.add(("int4", module.out_features, module.in_features))
-    for kind, n, k in sorted(shapes):
-        make = None if kind in ("bf16", "fp16") else quant_linear._gemm_paths(kind, n, k)
-        cpu_gemm.prompt_gemm_min_rows(kind, n, k, make)
+    # A search runs once per machine and shape; cached, the loop is instant and the delay shows nothing
+    with progress.bar(len(shapes), "autotune prompt GEMM", "shape", delay=1.0) as bar:
+        for kind, n, k in sorted(shapes):
+            make = None if kind in ("bf16", "fp16") else quant_linear._gemm_paths(kind, n, k)
+            cpu_gemm.prompt_gemm_min_rows(kind, n, k, make)
+            bar.update(1)
 
 
 def uninstall(model, names: list) -> None:

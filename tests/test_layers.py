@@ -15,7 +15,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "ffl_backend"
 
 # Lowest first. A module may import its own layer or a lower one.
 LAYERS = (
-    ("numerics", ("ffl_backend._lazy", "ffl_backend.paths", "ffl_backend.numerics")),
+    ("numerics", ("ffl_backend._lazy", "ffl_backend.paths", "ffl_backend.progress", "ffl_backend.numerics")),
     ("ops", ("ffl_backend.kernels", "ffl_backend.attention")),
     ("quantization", ("ffl_backend.quant",)),
     ("patterns", ("ffl_backend.patterns",)),

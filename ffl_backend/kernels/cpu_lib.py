@@ -11,6 +11,7 @@ that decides when to call it):
     attention_decode                attention/decode.py       (cpu_attention.cpp)
     prefill_attention               attention/prefill.py      (cpu_prefill_attention.cpp)
     quantize_kv                     attention/kv_quant.py     (cpu_kv_quant.cpp)
+    quantize_int8, quantize_int4    kernels/cpu_quantize.py   (cpu_quantize.cpp, cpu_quantize.h)
 
 The sources are compiled here, once per machine and source version, with the compiler and flags
 Inductor itself uses (g++ or $CXX, -O3 -march=native -fopenmp -std=c++20; FFL_CPU_MARCH replaces

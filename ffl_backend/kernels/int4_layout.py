@@ -1,5 +1,6 @@
 """`torch.ops.fastflow_cpu.int4_gemv` and `int4_widen`: the weight layout, references and fakes (the
-kernels: cpu_gemv.cpp, cpu_widen.cpp).
+kernels: cpu_gemv.cpp, cpu_widen.cpp); `int4_layout_pack` / `int4_layout_unpack`, which make that
+layout from the portable codes and back (cpu_int4_layout.cpp).
 
     int4_gemv(x, packed, scale_zeros, bias or None, G) = x @ W.T + bias, W group-wise int4
 
@@ -7,6 +8,10 @@ The layout puts 16 rows to a vector over torch's CPU int4 grid w = (q - 8) * s +
 multiplies the codes as they load with AVX512-VNNI (AVX2-only CPUs: vpmaddubsw + vpmaddwd), x read
 as int16 per group (cpu_gemv.cpp says why). Int4 modules hold their CPU weights in this layout and
 call the kernel for every row count (kernels/quant_linear.py `int4_cpu_form`).
+
+The layout is made once per weight, after quantizing or loading: `int4_layout_from_portable` (the C++
+op, one pass; its reference `int4_layout_from_portable_ref`, torch's unpack / stack / permute, took
+~10 s per billion weights), and read back for saving by `portable_codes`.
 """
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..numerics import acc_dtype
+from ..numerics import acc_dtype, pack_int4, unpack_int4
 from . import cpu_lib
 
 # int4_gemv's layout (cpu_gemv.cpp): rows in blocks of 16 (the lanes of one vector), K in chunks of 8
@@ -25,6 +30,14 @@ INT4_ROWS, INT4_CHUNK = 16, 8
 def int4_layout_fits(n: int, k: int, group_size: int) -> bool:
     """Whether an (n, k) int4 matrix with this group size has an `int4_gemv` layout."""
     return n % INT4_ROWS == 0 and group_size % INT4_CHUNK == 0 and k % group_size == 0 and n > 0
+
+
+def int4_scale_zero_table(scale: Tensor, zero: Tensor) -> Tensor:
+    """torch's CPU int4 (K/G, N, 2) bf16 table of (s, z') for our (N, K/G) scale and zero point.
+    torch's grid is w = (q - 8) * s + z'; ours is (q - zero) * s, so z' = (8 - zero) * s, in fp32."""
+    s = scale.float()
+    zp = (8.0 - zero.float()) * s
+    return torch.stack([s.T, zp.T], dim=-1).to(torch.bfloat16).contiguous()
 
 
 def int4_layout(codes: Tensor, scale_zeros: Tensor, group_size: int) -> tuple:
@@ -43,6 +56,30 @@ def int4_layout_codes(packed: Tensor) -> Tensor:
     nb, chunks, _ = packed.shape
     b = packed.reshape(nb, chunks, INT4_ROWS, INT4_CHUNK // 2).permute(0, 2, 1, 3)
     return torch.stack([b & 0xF, b >> 4], dim=3).reshape(nb * INT4_ROWS, chunks * INT4_CHUNK)
+
+
+def int4_layout_from_portable_ref(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int) -> tuple:
+    """(packed, scale_zeros) for `int4_gemv` from the portable (N, K/2) codes (numerics.pack_int4) and
+    (N, K/G) scale and zero point: the reference of `int4_layout_pack`."""
+    return int4_layout(unpack_int4(qweight), int4_scale_zero_table(scale, zero), group_size)
+
+
+def _op_applies(t: Tensor) -> bool:
+    return t.device.type == "cpu" and cpu_lib.load()
+
+
+def int4_layout_from_portable(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int) -> tuple:
+    """`int4_layout_from_portable_ref`, by the C++ op where the library is built (bit-equal)."""
+    if _op_applies(qweight):
+        return torch.ops.fastflow_cpu.int4_layout_pack(qweight, scale, zero, group_size)
+    return int4_layout_from_portable_ref(qweight, scale, zero, group_size)
+
+
+def portable_codes(packed: Tensor) -> Tensor:
+    """The portable (N, K/2) codes of an `int4_gemv` packed tensor (pack_int4 of `int4_layout_codes`)."""
+    if _op_applies(packed):
+        return torch.ops.fastflow_cpu.int4_layout_unpack(packed)
+    return pack_int4(int4_layout_codes(packed))
 
 
 def int4_layout_weight(packed: Tensor, scale_zeros: Tensor, group_size: int) -> Tensor:
@@ -71,6 +108,18 @@ def int4_widen_ref(packed: Tensor, scale_zeros: Tensor, group_size: int) -> Tens
 @cpu_lib.fake("int4_gemv")
 def _fake_int4_gemv(x: Tensor, packed, scale_zeros, bias, group_size: int) -> Tensor:
     return x.new_empty((*x.shape[:-1], packed.shape[0] * INT4_ROWS))
+
+
+@cpu_lib.fake("int4_layout_pack")
+def _fake_int4_layout_pack(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int) -> tuple:
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    return (qweight.new_empty((n // INT4_ROWS, k // INT4_CHUNK, 4 * INT4_ROWS)),
+            scale.new_empty((n // INT4_ROWS, k // group_size, 2, INT4_ROWS), dtype=torch.bfloat16))
+
+
+@cpu_lib.fake("int4_layout_unpack")
+def _fake_int4_layout_unpack(packed: Tensor) -> Tensor:
+    return packed.new_empty((packed.shape[0] * INT4_ROWS, packed.shape[1] * INT4_CHUNK // 2))
 
 
 @cpu_lib.fake("int4_widen")

@@ -153,14 +153,14 @@ def int4_cpu_form(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int)
     and it reads x in fp32), else torch's pack (`int4_cpu_pack`), else (None, None): the reference."""
     n, k = qweight.shape[0], qweight.shape[1] * 2
     if qweight.device.type == "cpu" and int4_layout.int4_layout_fits(n, k, group_size) and cpu_gemv.ready():
-        return int4_layout.int4_layout(P.unpack_int4(qweight), int4_cpu_scale_zeros(scale, zero), group_size)
+        return int4_layout.int4_layout_from_portable(qweight, scale, zero, group_size)
     return int4_cpu_pack(qweight, scale, zero, group_size)
 
 
 def int4_cpu_codes(packed: Tensor, n: int, k: int) -> Optional[Tensor]:
     """The portable (n, k/2) codes back from either CPU form, or None where that is not known here."""
     if packed.dim() == 3:
-        return P.pack_int4(int4_layout.int4_layout_codes(packed))
+        return int4_layout.portable_codes(packed)
     return int4_cpu_unpack(packed, n, k)
 
 
@@ -176,11 +176,7 @@ def int4_cpu_pack(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int)
     return packed, int4_cpu_scale_zeros(scale, zero)
 
 
-def int4_cpu_scale_zeros(scale: Tensor, zero: Tensor) -> Tensor:
-    """torch's CPU int4 (K/G, N, 2) bf16 table of (s, z') for our (N, K/G) scale and zero point."""
-    s = scale.float()
-    zp = (8.0 - zero.float()) * s
-    return torch.stack([s.T, zp.T], dim=-1).to(torch.bfloat16).contiguous()
+int4_cpu_scale_zeros = int4_layout.int4_scale_zero_table  # torch's (K/G, N, 2) table, both kernels' grid
 
 
 # torch's CPU int4 packing (`_convert_weight_to_int4pack_for_cpu`, torch 2.13) of N rows a multiple of

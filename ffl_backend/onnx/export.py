@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from .. import progress
 from . import decoder, nbits
 from .genai import write_genai_config
 
@@ -46,35 +47,47 @@ def export_onnx(model, out_dir, *, quant=None, calibration_data=None, max_seq_le
     why = _refusal(model, quant)
     if why is not None:
         raise ValueError(f"cannot export to ONNX: {why}")
-    started = time.perf_counter()
-    if quant is not None:
-        from ..quant.quantizer import quantize
+    with progress.timed("ONNX export") as phase:  # a bar over its phases, then their seconds in one line
+        if quant is not None:
+            from ..quant.quantizer import quantize
 
-        quantize(model, quant, calibration_data=calibration_data)
+            with phase("quantize"):  # its own bar counts the linears
+                quantize(model, quant, calibration_data=calibration_data)
+        return _export_checked(model, Path(out_dir), tokenizer, max_seq_len, opset, check, accuracy_level, fuse, phase)
+
+
+def _export_checked(model, out: Path, tokenizer, max_seq_len, opset, check, accuracy_level, fuse, phase) -> Path:
+    """export_onnx after quantizing: phases export, fuse, write, check, each counted on the bar (the
+    tracing and the check cannot report finer progress)."""
+    started = time.perf_counter()
     bad = nbits.unexportable_layers(model)
     if bad:
         raise ValueError(f"cannot export to ONNX: {len(bad)} W8A8/FP8 layers ({bad[0]}, ...) have no ONNX Runtime "
                          "weight format; quantize with int8 or int4")
-    out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / MODEL_FILE
-    _write_side_files(model, out, tokenizer, max_seq_len)
+    phase.count_phases(3 + int(fuse) + int(check or fuse))  # export, [fuse], write, write, [check]
     with torch.no_grad(), nbits.as_matmul_nbits(model, accuracy_level) as swapped:
-        fused = _export_graph(model, path, opset, fuse)
+        fused = _export_graph(model, path, opset, fuse, phase)
+    with phase("write"):  # config, tokenizer, genai_config.json: the folder GenAI loads
+        _write_side_files(model, out, tokenizer, max_seq_len)
     level = accuracy_level if swapped else 0
     logger.info("fastflow: exported %s (%d MatMulNBits layers%s) in %.1f s", path, swapped,
                 f", {fused}" if fused else "", time.perf_counter() - started)
     if fused:
         try:
-            print(check_export(model, out, level))
+            with phase("check"):
+                print(check_export(model, out, level))
             return path
         except Exception as exc:  # a fusion ONNX Runtime rejects or that changed the result: the plain graph
             logger.warning("fastflow: the fused ONNX graph failed its check (%s: %s); writing it unfused",
                            type(exc).__name__, str(exc).splitlines()[0][:200])
+        phase.count_phases(3)  # export, write, check again
         with torch.no_grad(), nbits.as_matmul_nbits(model, accuracy_level):
-            _export_graph(model, path, opset, fuse=False)
+            _export_graph(model, path, opset, False, phase)
     if check or fused:
-        print(check_export(model, out, level))
+        with phase("check"):
+            print(check_export(model, out, level))
     return path
 
 
@@ -93,20 +106,26 @@ def _refusal(model, quant) -> str | None:
     return None
 
 
-def _export_graph(model, path: Path, opset: int, fuse: bool) -> str | None:
-    """Export (and with `fuse`, rewrite for ONNX Runtime) to `path`; returns what was fused, if anything."""
+def _export_graph(model, path: Path, opset: int, fuse: bool, phase) -> str | None:
+    """Export (and with `fuse`, rewrite for ONNX Runtime) to `path`, each step a phase of `phase`;
+    returns what was fused, if anything."""
     layers = decoder.cache_geometry(model.config)[0]
     wrapper = decoder.KVDecoder(model).eval()
-    program = torch.onnx.export(
-        wrapper, decoder.example_inputs(model), dynamo=True, opset_version=opset, optimize=True,
-        input_names=decoder.input_names(layers), output_names=decoder.output_names(layers),
-        dynamic_shapes=decoder.dynamic_shapes(layers), custom_translation_table=nbits.onnx_translation(),
-        verbose=False)
-    fused = _fuse_for_ort(program.model) if fuse else None
+    with phase("export"):  # Dynamo's trace and the ONNX translation: one call, nothing to count inside
+        program = torch.onnx.export(
+            wrapper, decoder.example_inputs(model), dynamo=True, opset_version=opset, optimize=True,
+            input_names=decoder.input_names(layers), output_names=decoder.output_names(layers),
+            dynamic_shapes=decoder.dynamic_shapes(layers), custom_translation_table=nbits.onnx_translation(),
+            verbose=False)
+    fused = None
+    if fuse:
+        with phase("fuse"):
+            fused = _fuse_for_ort(program.model)
     weights = sum(t.numel() * t.element_size() for t in [*model.parameters(), *model.buffers()])
     for stale in (path, path.with_name(path.name + ".data")):
         stale.unlink(missing_ok=True)
-    program.save(str(path), external_data=weights > EXTERNAL_DATA_ABOVE)
+    with phase("write"):
+        program.save(str(path), external_data=weights > EXTERNAL_DATA_ABOVE)
     return fused
 
 

@@ -217,6 +217,17 @@ def _linear_counts(model) -> dict:
     return counts
 
 
+def _quantized(model, config, calibration_data, args):
+    """`model` quantized as quantize() does, or with --optimize as optimize(model, quant=...) does."""
+    if args.optimize:
+        from ..api import optimize
+
+        return optimize(model, quant=config, calibration_data=calibration_data, max_seq_len=args.window)
+    from .quantizer import quantize
+
+    return quantize(model, config, calibration_data=calibration_data)
+
+
 def eval_ppl_main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="Perplexity of a causal LM, high precision vs quantized")
     _common(parser)
@@ -236,13 +247,14 @@ def eval_ppl_main(argv=None) -> int:
                              "windows through ONNX Runtime, next to PyTorch's figure")
     parser.add_argument("--onnx-accuracy-level", type=int, default=4, choices=[0, 1, 4],
                         help="MatMulNBits' accuracy_level of the exports (4: int8 activations, the default)")
+    parser.add_argument("--optimize", action="store_true",
+                        help="quantize through ffl_backend.optimize(model, quant=..., calibration_data=...) and "
+                             "measure that model (fastflow attention on a static cache) instead of quantize()'s")
     parser.set_defaults(calib_tokens=None)  # 2048, or GPTQ_CALIB_TOKENS with --gptq
     args = parser.parse_args(argv)
     if args.backend == "onnxruntime" and args.dtype != "float32":
         parser.error("--backend onnxruntime needs --dtype float32 (ONNX Runtime's CPU kernels have no bfloat16)")
     calib_tokens = args.calib_tokens if args.calib_tokens is not None else (GPTQ_CALIB_TOKENS if args.gptq else 2048)
-    from .quantizer import quantize
-
     base, tokenizer = _load(args)
     ids, bos = _tokens(tokenizer, args.text)
     eval_ids = ids[:args.max_tokens]
@@ -255,9 +267,10 @@ def eval_ppl_main(argv=None) -> int:
         results += kv_cache_rows(base, eval_ids, args.window, bos, args.kv_cache_dtypes)
     for scheme in args.schemes:
         start = time.perf_counter()
-        model = quantize(copy.deepcopy(base), _config(args, scheme), calibration_data=calib)
+        model = _quantized(copy.deepcopy(base), _config(args, scheme), calib, args)
         ppl = perplexity(model, eval_ids, args.window, bos)
-        results.append({"model": scheme + (" gptq" if args.gptq else ""), "ppl": ppl,
+        results.append({"model": scheme + (" gptq" if args.gptq else "") + (" via optimize()" if args.optimize else ""),
+                        "ppl": ppl,
                         "seconds": round(time.perf_counter() - start, 1), "linears": _linear_counts(model)})
         results[-1].update(_mixed_summary(model))
         if args.backend == "onnxruntime":

@@ -52,6 +52,7 @@ def _in_mapping(t: torch.Tensor, ranges) -> bool:
     return any(start <= ptr < end for start, end in ranges)
 
 
+MADV_DONTNEED = 4  # this process's mapping of the pages goes; the page cache keeps them
 MADV_PAGEOUT = 21  # Linux >= 5.4; older kernels answer EINVAL and nothing happens
 COPY_BLOCK_BYTES = 8 << 20  # copy-out granularity: the most of a tensor resident twice at once
 _libc_functions = {}
@@ -72,10 +73,12 @@ def _libc(name: str, argtypes: list, restype):
     return _libc_functions[name]
 
 
-def page_out(t: torch.Tensor, ranges=None) -> int:
+def page_out(t: torch.Tensor, ranges=None, advice: int = MADV_PAGEOUT) -> int:
     """Ask the kernel to drop the resident pages under contiguous `t` if it lives in a file mapping
     (whole pages inside its bytes only: neighbours' edge pages stay). Returns the bytes advised, 0
-    if none were (not a mapped contiguous CPU tensor, not Linux, the kernel refused)."""
+    if none were (not a mapped contiguous CPU tensor, not Linux, the kernel refused).
+    advice: MADV_PAGEOUT reclaims the pages (a checkpoint no longer needed); MADV_DONTNEED only
+    unmaps them from this process (`drop_pages`)."""
     ranges = file_mappings() if ranges is None else ranges
     madvise = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
     if madvise is None or not t.is_contiguous() or not _in_mapping(t, ranges):
@@ -85,10 +88,18 @@ def page_out(t: torch.Tensor, ranges=None) -> int:
     end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
     if end <= start:
         return 0
-    if madvise(start, end - start, MADV_PAGEOUT) != 0:
-        logger.debug("madvise(MADV_PAGEOUT) failed: errno %d", ctypes.get_errno())
+    if madvise(start, end - start, advice) != 0:
+        logger.debug("madvise(%d) failed: errno %d", advice, ctypes.get_errno())
         return 0
     return end - start
+
+
+def drop_pages(t: torch.Tensor, ranges=None) -> int:
+    """Unmap the pages under `t`, a read-only view of a private file mapping (`load_quantized`'s), from
+    this process: they stop counting in its RSS and stay in the page cache, so a later read (or the next
+    process to load the same file) finds them there. Never on pages written since mapping: MADV_DONTNEED
+    would discard the writes (load_quantized calls it only on tensors nothing has written)."""
+    return page_out(t, ranges, MADV_DONTNEED)
 
 
 def release_free_heap() -> None:
@@ -102,7 +113,7 @@ def release_free_heap() -> None:
 
 
 @torch.no_grad()
-def _copy_paging_out(t: torch.Tensor, ranges) -> torch.Tensor:
+def _copy_paging_out(t: torch.Tensor, ranges, advice: int = MADV_PAGEOUT) -> torch.Tensor:
     """A private copy of mapped `t`, block by block, each source block paged out once copied: the
     tensor is never resident twice (a kept 57 MB embedding would otherwise add 57 MB to the peak)."""
     if not t.is_contiguous() or t.dim() == 0:
@@ -111,8 +122,15 @@ def _copy_paging_out(t: torch.Tensor, ranges) -> torch.Tensor:
     rows = max(1, COPY_BLOCK_BYTES // max(1, t[0].numel() * t.element_size()))
     for start in range(0, t.shape[0], rows):
         copy[start:start + rows] = t[start:start + rows]
-        page_out(t[start:start + rows], ranges)
+        page_out(t[start:start + rows], ranges, advice)
     return copy
+
+
+def copy_dropping_pages(t: torch.Tensor, ranges=None) -> torch.Tensor:
+    """An aligned private copy of `t`; where `t` is a view of a file mapping, copied block by block
+    and each block's pages dropped from this process once copied (`drop_pages`): never resident twice."""
+    ranges = file_mappings() if ranges is None else ranges
+    return _copy_paging_out(t, ranges, MADV_DONTNEED) if _in_mapping(t, ranges) else t.clone()
 
 
 def copy_out_of_file_mappings(model: nn.Module, skip: tuple[type, ...] = ()) -> int:

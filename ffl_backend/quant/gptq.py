@@ -32,6 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import numerics as P
+from ..kernels import cpu_quantize
 from .calibration import as_batches
 
 logger = logging.getLogger("ffl_backend")
@@ -66,7 +67,7 @@ def int8_grid(w: Tensor) -> Grid:
     """Per-row symmetric int8, its scales fixed up front from the original weights (as RTN's): the
     row is one group, so there is no later point at which to choose them. Every "group" below (a
     size that tiles BLOCK, so updates stay lazy) returns that same scale."""
-    scale = P.quantize_int8(w)[1].float()
+    scale = cpu_quantize.quantize_int8(w)[1].float()
     zero = torch.zeros_like(scale)
     return Grid(math.gcd(w.shape[1], BLOCK), -int(P.INT8_MAX), int(P.INT8_MAX), lambda _wg: (scale, zero), torch.int8)
 

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import numerics as P
+from ..kernels import cpu_quantize as Q
 from ..kernels import quant_linear as K
 from .int4_fit import quantize_int4_fitted
 from .schemes import QuantConfig
@@ -32,16 +33,25 @@ class QuantizedModule(nn.Module):
         """What the CLIs count this module as, in their layers-per-form summaries."""
         return self.scheme
 
+    # Buffers no kernel reads in place on CPU (they are read through a CPU form made from them, or by
+    # torch ops that take any address): left where they are, even in a file mapping at an odd offset.
+    any_address: tuple = ()
+
     def finalize(self) -> "QuantizedModule":
         """Align the buffers and derive the non-persistent CPU forms from the canonical ones.
 
         Buffers assigned from a file mapping (safetensors' safe_open, torch.load(mmap=True)) sit at
         arbitrary offsets; `torch._weight_int8pack_mm` (torch 2.13) segfaults on an unaligned weight
-        for M > 1. `load_quantized` reads aligned copies; this guards every other route."""
-        for name, buf in self._buffers.items():
-            if buf is not None and buf.device.type == "cpu" and buf.data_ptr() % ALIGN:
-                self._buffers[name] = buf.clone()
+        for M > 1. `load_quantized` maps files it wrote at aligned offsets and copies what is not;
+        this guards every other route."""
+        for name in self.unaligned_buffers():
+            self._buffers[name] = self._buffers[name].clone()
         return self
+
+    def unaligned_buffers(self) -> list:
+        """Names of the CPU buffers a kernel needs aligned that are not."""
+        return [name for name, buf in self._buffers.items() if buf is not None and buf.device.type == "cpu"
+                and name not in self.any_address and buf.data_ptr() % ALIGN]
 
 
 class QuantizedLinear(QuantizedModule):
@@ -84,7 +94,7 @@ class Int8Linear(QuantizedLinear):
         """quantized: precomputed (q int8 (N, K), scale (N,)), e.g. from GPTQ; default round-to-nearest."""
         w = linear.weight.detach()
         m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta")
-        m.qweight, m.scale = quantized if quantized is not None else P.quantize_int8(w)
+        m.qweight, m.scale = quantized if quantized is not None else Q.quantize_int8(w)
         m._set_bias(linear)
         return m.finalize()
 
@@ -105,6 +115,7 @@ class Int8Linear(QuantizedLinear):
 
 class Int4Linear(QuantizedLinear):
     scheme = "int4"
+    any_address = ("qweight", "scale", "zero")  # the kernels read cpu_packed / cpu_scale_zeros, made here
 
     def __init__(self, in_features, out_features, dtype, has_bias, device=None, group_size=128):
         super().__init__(in_features, out_features, dtype, has_bias, device)
@@ -125,12 +136,16 @@ class Int4Linear(QuantizedLinear):
         w = linear.weight.detach()
         group = config.group_for(linear.in_features)
         m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta", group)
-        if quantized is None and config.fits_grid:
-            quantized = quantize_int4_fitted(w, group, config.is_symmetric, importance=importance)
-        q, m.scale, m.zero = quantized if quantized is not None else P.quantize_int4(w, group, config.is_symmetric)
+        if quantized is not None:
+            q, m.scale, m.zero = quantized
+            m.qweight = P.pack_int4(q)
+        elif config.fits_grid:  # packed by the quantizer, in the same pass
+            m.qweight, m.scale, m.zero = quantize_int4_fitted(w, group, config.is_symmetric, importance=importance,
+                                                              packed=True)
+        else:
+            m.qweight, m.scale, m.zero = Q.quantize_int4(w, group, config.is_symmetric, packed=True)
         if m.scale.shape != (linear.out_features, linear.in_features // group):
             raise ValueError(f"int4 scale shape {tuple(m.scale.shape)} does not match group size {group}")
-        m.qweight = P.pack_int4(q)
         m._set_bias(linear)
         return m.finalize()
 
@@ -144,15 +159,28 @@ class Int4Linear(QuantizedLinear):
 
     def _keep_codes_in_pack(self) -> None:
         """Keep one copy of the codes on CPU. The CPU kernels read only their own form (fastflow's
-        layout or torch's pack), so where unpacking it gives back exactly `qweight` (checked on these
-        codes), `qweight` becomes a stand-in of its shape (stride 0, one byte) and `portable_qweight()`
-        rebuilds the codes for saving, reports and moves to another device. Halves an int4 model's CPU
-        memory."""
+        layout or torch's pack), so where unpacking it gives back exactly `qweight`, `qweight` becomes
+        a stand-in of its shape (stride 0, one byte) and `portable_qweight()` rebuilds the codes for
+        saving, reports and moves to another device. Halves an int4 model's CPU memory.
+
+        How "exactly" is known: fastflow's layout is made by `int4_layout_pack`, a fixed permutation of
+        nibbles whose round trip its tests prove byte for byte against the pure-torch layout, on every
+        -march level (tests/kernels/test_cpu_int4_gemv.py); here its first and last block of 16 rows
+        are read back, which catches a form that is not this weight's at no cost (reading all of it
+        back cost as much as making it). torch's pack (where fastflow's kernel is not built) differs
+        between CPUs and is recognised by a probe (`torch_pack_block_rows`): read back whole."""
         if self.cpu_packed is None:
             return
-        rebuilt = K.int4_cpu_codes(self.cpu_packed, self.out_features, self.in_features)
-        if rebuilt is not None and torch.equal(rebuilt, self.qweight):
-            self.qweight = torch.zeros((), dtype=torch.uint8).expand(self.out_features, self.in_features // 2)
+        n, k = self.out_features, self.in_features
+        if self.cpu_packed.dim() == 3:
+            rows = K.int4_layout.INT4_ROWS
+            same = all(torch.equal(K.int4_cpu_codes(self.cpu_packed[b], rows, k), self.qweight[r])
+                       for b, r in ((slice(0, 1), slice(0, rows)), (slice(-1, None), slice(n - rows, n))))
+        else:
+            rebuilt = K.int4_cpu_codes(self.cpu_packed, n, k)
+            same = rebuilt is not None and torch.equal(rebuilt, self.qweight)
+        if same:
+            self.qweight = torch.zeros((), dtype=torch.uint8).expand(n, k // 2)
 
     def portable_qweight(self) -> Tensor:
         """The (N, K/2) codes in the portable layout (numerics.py), wherever they are kept."""
@@ -220,7 +248,7 @@ class W8A8Linear(QuantizedLinear):
         w = linear.weight.detach()
         m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta",
                 x_absmax is not None, smooth is not None)
-        m.qweight, m.w_scale = P.quantize_int8(w, torch.float32)
+        m.qweight, m.w_scale = Q.quantize_int8(w, torch.float32)
         if x_absmax is not None:
             m.x_scale = torch.tensor(max(float(x_absmax), P.SCALE_EPS) / P.INT8_MAX, device=w.device)
         if smooth is not None:
@@ -283,7 +311,7 @@ class Int8Embedding(QuantizedModule):
     def from_embedding(cls, embedding: nn.Embedding) -> "Int8Embedding":
         w = embedding.weight.detach()
         m = cls(w.shape[0], w.shape[1], w.dtype, "meta")
-        m.qweight, m.scale = P.quantize_int8(w)
+        m.qweight, m.scale = Q.quantize_int8(w)
         return m.finalize()
 
     @classmethod

@@ -1,11 +1,13 @@
 """`ffl_backend.quantize(model, config, *, calibration_data=None)`: swap nn.Linear in place."""
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 from torch import nn
 
+from .. import progress
 from .file_pages import copy_out_of_file_mappings, file_mappings, page_out, release_free_heap
 from .handlers import embedding_schemes, handler_for
 from .mixed import mixed_config
@@ -77,22 +79,37 @@ def quantize(model: nn.Module, config, *, calibration_data=None) -> nn.Module:
     and are listed in `model._ffl_quant["kept"]`."""
     localize(model)  # a transformers tensor-parallel model: plain local shards (quant/tensor_parallel.py)
     mixed = mixed_config(config)
-    steps, plan = mixed.steps(model, calibration_data) if mixed is not None else (resolve_steps(config), None)
-    _check_layers(model, steps)
-    for step in steps:
-        _quantize_step(model, step, calibration_data)
-    if len(steps) > 1:
-        getattr(model, STATE_ATTR)["config"] = [step.to_dict() for step in steps]
-    if plan is not None:
-        getattr(model, STATE_ATTR)["mixed"] = plan
-    copy_out_of_file_mappings(model, skip=(QuantizedModule,))  # lets the replaced weights' pages go
-    share_cpu_forms(model)
-    release_free_heap()
+    with progress.timed("quantize") as phase:
+        if mixed is not None:
+            with phase("plan"), progress.status("quantize: measuring each linear's error for the mixed plan"):
+                steps, plan = mixed.steps(model, calibration_data)
+        else:
+            steps, plan = resolve_steps(config), None
+        _check_layers(model, steps)
+        done = sum(_quantize_step(model, step, calibration_data, phase) for step in steps)
+        if len(steps) > 1:
+            getattr(model, STATE_ATTR)["config"] = [step.to_dict() for step in steps]
+        if plan is not None:
+            getattr(model, STATE_ATTR)["mixed"] = plan
+        with phase("finish"):
+            copy_out_of_file_mappings(model, skip=(QuantizedModule,))  # lets the replaced weights' pages go
+            share_cpu_forms(model)
+            release_free_heap()
+        phase.detail = progress.count(done, "linear")
     return model
 
 
-def _quantize_step(model: nn.Module, cfg: QuantConfig, calibration_data) -> None:
+def step_label(cfg: QuantConfig) -> str:
+    """How the progress bar and the summary line name a step: its scheme, group size and algorithm
+    when they are set ("int4 g32", "int8 gptq")."""
+    group, algorithm = getattr(cfg, "group_size", None), getattr(cfg, "algorithm", "rtn")
+    return " ".join([cfg.scheme, *([f"g{group}"] if group else []), *([algorithm] if algorithm != "rtn" else [])])
+
+
+def _quantize_step(model: nn.Module, cfg: QuantConfig, calibration_data, phase: progress.Phases) -> int:
+    """Quantize the linears (and embeddings) `cfg` selects; returns how many linears it quantized."""
     handler = handler_for(cfg)
+    label = step_label(cfg)
     targets = select_linears(model, cfg)
     kept = {name: r for name, m in targets.items() if (r := cfg.keep_reason(m))}
     for name in kept:
@@ -100,24 +117,32 @@ def _quantize_step(model: nn.Module, cfg: QuantConfig, calibration_data) -> None
     _warn_kept(cfg, kept)
     if not targets:
         logger.warning("quantize(%s): no nn.Linear layer matched include=%s skip=%s", cfg.scheme, cfg.include, cfg.skip)
-    # {name: extra from_linear kwargs} from calibration; layers it keeps in high precision move to `kept`
-    extra = handler.calibrate(model, targets, cfg, calibration_data, kept)
-    by_weight = {}  # id of a replaced linear's weight -> its quantized module (to share tied tables)
-    mappings = file_mappings()
-    for name in list(targets):
-        linear = targets.pop(name)  # drop our reference so the high-precision weight can be freed
-        by_weight[id(linear.weight)] = handler.quantize(linear, cfg, **extra.get(name, {}))
-        _set_module(model, name, by_weight[id(linear.weight)])
-        page_out(linear.weight, mappings)  # a checkpoint's pages it read: not needed any more
-        del linear
-        # The quantizing temporaries of a large layer can land in glibc's heap (its mmap threshold
-        # rises after large frees) and stay there as RSS, on a 1.7B model enough by the last layer to
-        # make the peak (docs/quantization.md, peak RSS). Trimming as we go keeps the peak at the weights.
-        release_free_heap()
-    _quantize_embeddings(model, cfg, handler, by_weight, kept)
+    # {name: extra from_linear kwargs} from calibration; layers it keeps in high precision move to `kept`.
+    # Calibrating runs the model on the data: a phase of its own, with nothing to count while it runs.
+    calibrating = calibration_data is not None and bool(targets)
+    with (phase(f"calibrate {label}") if calibrating else contextlib.nullcontext()), \
+            (progress.status(f"quantize {label}: calibrating") if calibrating else contextlib.nullcontext()):
+        extra = handler.calibrate(model, targets, cfg, calibration_data, kept)
+    total = len(targets)
+    with phase(label, progress.count(total, "linear")), progress.bar(total, f"quantize {label}", "linear") as bar:
+        by_weight = {}  # id of a replaced linear's weight -> its quantized module (to share tied tables)
+        mappings = file_mappings()
+        for name in list(targets):
+            linear = targets.pop(name)  # drop our reference so the high-precision weight can be freed
+            by_weight[id(linear.weight)] = handler.quantize(linear, cfg, **extra.get(name, {}))
+            _set_module(model, name, by_weight[id(linear.weight)])
+            page_out(linear.weight, mappings)  # a checkpoint's pages it read: not needed any more
+            del linear
+            # The quantizing temporaries of a large layer can land in glibc's heap (its mmap threshold
+            # rises after large frees) and stay there as RSS, on a 1.7B model enough by the last layer to
+            # make the peak (docs/quantization.md, peak RSS). Trimming as we go keeps the peak at the weights.
+            release_free_heap()
+            bar.update(1)
+        _quantize_embeddings(model, cfg, handler, by_weight, kept)
     state = getattr(model, STATE_ATTR, {"config": cfg.to_dict(), "kept": {}})
     state["kept"].update(kept)
     setattr(model, STATE_ATTR, state)
+    return total
 
 
 def _quantize_embeddings(model: nn.Module, cfg: QuantConfig, handler, by_weight: dict, kept: dict) -> None:

@@ -3,23 +3,35 @@
 A saved folder holds `config.json` (the HF config, with a `quantization_config` that lets
 `AutoModelForCausalLM.from_pretrained(folder)` load it quantized: quant/hf_integration.py),
 `model.safetensors` (canonical quantized buffers and the high-precision rest) and `ffl_quant.json`
-(the quant config and each quantized module's
-spec). Loading builds the architecture on the meta device, swaps in empty quantized modules, and
-assigns the saved tensors: the high-precision model is never materialized, so peak memory is the
-quantized model's.
+(the quant config and each quantized module's spec).
+
+Loading builds the architecture on the meta device, swaps in empty quantized modules, and assigns the
+saved tensors as views of one private memory mapping of the file: the high-precision model is never
+materialized and nothing is read twice. Each quantized module then makes its CPU form from its views
+(int4: one C++ pass into the kernels' layout, kernels/int4_layout.py), and the pages that read are
+unmapped again (file_pages.drop_pages: they stay in the page cache), so peak memory is the CPU forms
+plus one layer's pages. What no kernel reads -- an int4 module's portable scale and zero point, kept
+for saving and moves -- stays in the file until something reads it. `save_quantized` writes every
+tensor whose size allows at a 64-byte-aligned offset, so the int8 tables (torch's int8 kernel needs
+aligned weights) are used in place; older files' unaligned ones are copied. A checkpoint is replaced
+by writing a new file and renaming it over the old one: a model loaded from the old file keeps
+reading the old file's pages (the mapping holds its inode), so saving over the folder a model was
+loaded from is safe. Modifying the file in place under a loaded model is not.
 """
 from __future__ import annotations
 
 import copy
 import json
 import logging
+import os
 from pathlib import Path
 
 import torch
 from torch import nn
 
+from .file_pages import copy_dropping_pages, drop_pages, file_mappings
 from .handlers import build_module, replaced_type
-from .modules import QuantizedModule
+from .modules import ALIGN, QuantizedModule
 from .quantizer import STATE_ATTR, _set_module, quantized_modules, share_cpu_forms
 
 
@@ -39,8 +51,6 @@ VERSION = 1
 
 def save_quantized(model: nn.Module, directory) -> Path:
     """Write `model` (after `ffl_backend.quantize`) to `directory`; returns the folder."""
-    from safetensors.torch import save_file
-
     modules = quantized_modules(model)
     if not modules:
         raise ValueError("save_quantized: the model has no quantized layers; call ffl_backend.quantize first")
@@ -53,7 +63,7 @@ def save_quantized(model: nn.Module, directory) -> Path:
                 "kept": state.get("kept", {}), "dtype": str(_dtype(model)).removeprefix("torch."),
                 "modules": {name: m.spec() for name, m in modules.items()}, "aliases": aliases,
                 "tied": tied, "num_tensors": len(tensors)}
-    save_file(tensors, str(folder / WEIGHTS), metadata={"format": FORMAT, "num_tensors": str(len(tensors))})
+    _write_weights(tensors, folder / WEIGHTS, metadata={"format": FORMAT, "num_tensors": str(len(tensors))})
     from .hf_integration import config_entry  # imports transformers: on use only
 
     register_with_transformers()
@@ -116,19 +126,52 @@ def _read_manifest(folder: Path) -> dict:
     return manifest
 
 
-# safetensors dtype names -> torch dtypes, for the reader below.
+# safetensors dtype names <-> torch dtypes, for the reader and writer below.
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I8": torch.int8,
            "U8": torch.uint8, "BOOL": torch.bool}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+
+
+def _write_weights(tensors: dict, path: Path, metadata: dict) -> None:
+    """Write `tensors` as a safetensors file (the format: a little-endian u64 header size, a JSON
+    header, the tensors' bytes back to back) with every tensor whose size is a multiple of 64 bytes
+    at a 64-byte-aligned offset: the header is padded with spaces (as the format allows) to end on a
+    64-byte boundary, those tensors come first, then the rest by element size, largest first (each
+    then starts at a multiple of its element size, as safetensors' own writer arranges). Into a
+    temporary file renamed over `path`: a model mapping the old file keeps its pages."""
+    def order(item):
+        index, (name, t) = item
+        return (t.numel() * t.element_size() % ALIGN != 0, -t.element_size(), index)
+
+    entries, offset = {}, 0
+    ordered = [item for _, item in sorted(enumerate(tensors.items()), key=order)]
+    for name, t in ordered:
+        if t.dtype not in _NAMES:
+            raise TypeError(f"save_quantized: {name} has dtype {t.dtype}, which this writer does not store")
+        nbytes = t.numel() * t.element_size()
+        entries[name] = {"dtype": _NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-(8 + len(header)) % ALIGN)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            fh.write(len(header).to_bytes(8, "little"))
+            fh.write(header)
+            for name, t in ordered:
+                fh.write(memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()))
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def _read_weights(folder: Path, device, skip=()) -> dict:
-    """Read model.safetensors into fresh, aligned tensors, one plain read each.
-
-    Not `safetensors.safe_open`: its tensors are views of a file mapping at unaligned offsets, which
-    torch's int8 kernel cannot take (a segfault for M > 1), and aligning them means a second copy
-    next to the mapped pages. This reads the (simple, documented) format straight into torch memory,
-    so peak RSS is the quantized model plus one tensor's worth."""
+    """model.safetensors' tensors as views of one private, read-only-in-practice memory mapping of the
+    file (`torch.UntypedStorage.from_file`, MAP_PRIVATE): nothing is read until used, and pages read
+    are the page cache's, not a copy (on another device: copied there). Views sit where the file puts
+    them; `load_quantized` copies what a kernel needs aligned and is not (files of older versions)."""
     path = folder / WEIGHTS
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing")
@@ -141,26 +184,28 @@ def _read_weights(folder: Path, device, skip=()) -> dict:
             header = json.loads(fh.read(header_len))
         except ValueError as exc:
             raise ValueError(f"{path} is truncated or corrupt ({exc}); save the model again") from exc
-        header.pop("__metadata__", None)
-        tensors = {}
-        for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
-            if name in skip:
-                continue
-            tensors[name] = _read_tensor(fh, path, name, info, 8 + header_len, size).to(device)
+    header.pop("__metadata__", None)
+    storage = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=size)
+    tensors = {}
+    for name, info in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+        if name in skip:
+            continue
+        t = _tensor_view(storage, path, name, info, 8 + header_len, size)
+        tensors[name] = t if torch.device(device).type == "cpu" else t.to(device)
     return tensors
 
 
-def _read_tensor(fh, path: Path, name: str, info: dict, base: int, size: int) -> torch.Tensor:
+def _tensor_view(storage, path: Path, name: str, info: dict, base: int, size: int) -> torch.Tensor:
     start, end = info["data_offsets"]
-    if base + end > size:
+    if base + end > size or not 0 <= start <= end:
         raise ValueError(f"{path} is truncated or corrupt: {name} ends at byte {base + end} of {size}")
     if info["dtype"] not in _DTYPES:
         raise ValueError(f"{path}: {name} has unsupported dtype {info['dtype']}")
-    buf = torch.empty(end - start, dtype=torch.uint8)
-    fh.seek(base + start)
-    if fh.readinto(memoryview(buf.numpy())) != end - start:
-        raise ValueError(f"{path} is truncated or corrupt: short read of {name}")
-    return buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
+    dtype = _DTYPES[info["dtype"]]
+    raw = torch.empty(0, dtype=torch.uint8).set_(storage, base + start, (end - start,))
+    if (base + start) % dtype.itemsize:  # not safetensors' own order: a private copy, element-aligned
+        raw = raw.clone()
+    return raw.view(dtype).reshape(info["shape"])
 
 
 def _check_tensors(model: nn.Module, tensors: dict, folder: Path) -> None:
@@ -196,13 +241,32 @@ def load_quantized(directory, device="cpu") -> nn.Module:
     tensors.update({alias: tensors[target] for alias, target in links.items() if target in tensors})
     _check_tensors(model, tensors, folder)
     model.load_state_dict(tensors, strict=True, assign=True)
+    del tensors
     _materialize_buffers(model, device)
-    for m in quantized_modules(model).values():
-        m.finalize()
+    _finalize_from_mapping(model)
     share_cpu_forms(model)
     setattr(model, STATE_ATTR, {"config": manifest["quant_config"], "kept": manifest["kept"]})
     _load_generation_config(model, folder)
     return model.eval()
+
+
+def _finalize_from_mapping(model: nn.Module) -> None:
+    """Finalize every quantized module whose buffers are views of the file mapping: the buffers a
+    kernel needs aligned and are not copied out block by block (never resident twice), the CPU forms
+    made, then the pages that read unmapped from this process (they stay in the page cache), so at
+    most one module's pages of the file are resident beside the forms at any time."""
+    ranges = file_mappings()
+    copies = {}  # id of a mapped tensor -> its aligned copy: a tied embedding and head keep one table
+    for m in quantized_modules(model).values():
+        for name in m.unaligned_buffers():
+            buf = m._buffers[name]
+            if id(buf) not in copies:
+                copies[id(buf)] = copy_dropping_pages(buf, ranges)
+            m._buffers[name] = copies[id(buf)]
+        read = [b for b in m._buffers.values() if b is not None]
+        m.finalize()
+        for b in read:
+            drop_pages(b, ranges)
 
 
 def _get(model: nn.Module, name: str, folder: Path) -> nn.Module:

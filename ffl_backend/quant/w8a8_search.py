@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import numerics as P
+from ..kernels import cpu_quantize
 from .calibration import InputGroup, as_batches, smoothing_factors
 
 logger = logging.getLogger("ffl_backend")
@@ -139,7 +140,7 @@ def _errors(folds: list[_Fold], linears: dict[str, nn.Linear], folded: bool, sta
         x_scale = torch.tensor(max(clip * x_absmax, P.SCALE_EPS) / P.INT8_MAX)
         for name, m in linears.items():
             w = m.weight if s is None else (m.weight.float() * s).to(m.weight.dtype)  # rounded as stored
-            qw, w_scale = P.quantize_int8(w.detach(), torch.float32)
+            qw, w_scale = cpu_quantize.quantize_int8(w.detach(), torch.float32)
             y = _w8a8(xs, qw, w_scale, x_scale if name in static else None)
             ref, tw = fold.refs[name], fold.token_weights[name]
             noise[name] += ((y - ref).pow(2).sum(dim=1) * tw).sum(dtype=torch.float64).item()

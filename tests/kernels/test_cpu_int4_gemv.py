@@ -61,6 +61,92 @@ def test_reference_equals_torchs_int4_kernel_grid(n, k, group_size):
                                rtol=2.0**-8, atol=1e-6)
 
 
+def _portable(n, k, group_size, dtype, seed):
+    """Random portable codes (N, K/2) and an (N, K/G) scale and zero point in `dtype`: fitted-grid-like
+    zero points (not integers), tiny, huge and negative-zero scales, and a zero point beyond 8."""
+    gen = torch.Generator().manual_seed(seed)
+    qweight = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(n, k // group_size, generator=gen, dtype=torch.float64) * 0.1).to(dtype)
+    zero = (torch.rand(n, k // group_size, generator=gen, dtype=torch.float64) * 17 - 1).to(dtype)
+    scale[0, 0], scale[-1, -1] = 1e-12, -0.0
+    scale[n // 2, 0] = 6.0e4 if dtype == torch.float16 else 1e30
+    zero[0, -1] = 8.0
+    return qweight, scale, zero
+
+
+def _same_bits(a, b):
+    assert a.dtype == b.dtype and a.shape == b.shape
+    return torch.equal(a.view(torch.uint8) if a.dtype != torch.uint8 else a, b.view(torch.uint8) if b.dtype != torch.uint8 else b)
+
+
+@pytest.mark.parametrize("n,k,group_size", [(16, 8, 8), (48, 40, 8), (64, 96, 32), (960, 576, 32),
+                                            (32, 512, 256), (80, 192, 64), (112, 3072, 128), (16, 120, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_layout_pack_matches_reference(n, k, group_size, dtype):
+    """fastflow_cpu::int4_layout_pack: the layout and the bf16 scale/zero table byte for byte equal to
+    torch's unpack / stack / permute (int4_layout_from_portable_ref), and unpack gives the codes back."""
+    qweight, scale, zero = _portable(n, k, group_size, dtype, seed=n + k)
+    packed, sz = torch.ops.fastflow_cpu.int4_layout_pack(qweight, scale, zero, group_size)
+    want_packed, want_sz = int4_layout.int4_layout_from_portable_ref(qweight, scale, zero, group_size)
+    assert _same_bits(packed, want_packed) and _same_bits(sz, want_sz)
+    assert torch.equal(torch.ops.fastflow_cpu.int4_layout_unpack(packed), qweight)
+    assert torch.equal(P.pack_int4(int4_layout.int4_layout_codes(packed)), qweight)
+
+
+def test_layout_pack_matches_reference_on_unaligned_strided_and_threaded_inputs():
+    """Codes at an odd address (a weight mapped from a file sits anywhere), a column slice of a wider
+    tensor, and many row blocks over 1-3 threads: the same bytes."""
+    n, k, g = 400, 256, 32
+    qweight, scale, zero = _portable(n, k, g, torch.bfloat16, seed=3)
+    odd = torch.empty(qweight.numel() + 1, dtype=torch.uint8)[1:].view(n, k // 2)
+    odd.copy_(qweight)
+    wide = torch.cat([qweight, qweight], dim=1)[:, : k // 2]
+    want = int4_layout.int4_layout_from_portable_ref(qweight, scale, zero, g)
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for codes in (odd, wide):
+                got = torch.ops.fastflow_cpu.int4_layout_pack(codes, scale, zero, g)
+                assert all(_same_bits(a, b) for a, b in zip(got, want))
+                assert torch.equal(torch.ops.fastflow_cpu.int4_layout_unpack(got[0]), qweight)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_layout_pack_keeps_nan_scales_nan():
+    qweight, scale, zero = _portable(16, 64, 32, torch.float32, seed=1)
+    scale[3, 1], zero[4, 0] = float("nan"), float("nan")
+    sz = torch.ops.fastflow_cpu.int4_layout_pack(qweight, scale, zero, 32)[1]
+    want = int4_layout.int4_layout_from_portable_ref(qweight, scale, zero, 32)[1]
+    assert torch.equal(sz.isnan(), want.isnan()) and torch.equal(sz.nan_to_num(), want.nan_to_num())
+
+
+def test_layout_pack_opcheck_and_errors():
+    qweight, scale, zero = _portable(32, 64, 32, torch.bfloat16, seed=2)
+    torch.library.opcheck(torch.ops.fastflow_cpu.int4_layout_pack.default, (qweight, scale, zero, 32))
+    packed = torch.ops.fastflow_cpu.int4_layout_pack(qweight, scale, zero, 32)[0]
+    torch.library.opcheck(torch.ops.fastflow_cpu.int4_layout_unpack.default, (packed,))
+    op = torch.ops.fastflow_cpu.int4_layout_pack
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        op(qweight[:24], scale[:24], zero[:24], 32)
+    with pytest.raises(RuntimeError, match="multiple of 8 dividing"):
+        op(qweight, scale, zero, 12)
+    with pytest.raises(RuntimeError, match=r"\(N, K/G\)"):
+        op(qweight, scale[:, :1], zero[:, :1], 32)
+    with pytest.raises(RuntimeError, match=r"\(N/16, K/8, 64\) uint8"):
+        torch.ops.fastflow_cpu.int4_layout_unpack(packed.view(-1))
+
+
+def test_layout_wrappers_take_the_reference_without_the_library(monkeypatch):
+    qweight, scale, zero = _portable(32, 64, 32, torch.bfloat16, seed=4)
+    want = int4_layout.int4_layout_from_portable(qweight, scale, zero, 32)
+    monkeypatch.setattr(cpu_lib, "load", lambda: False)
+    got = int4_layout.int4_layout_from_portable(qweight, scale, zero, 32)
+    assert all(_same_bits(a, b) for a, b in zip(got, want))
+    assert torch.equal(int4_layout.portable_codes(got[0]), qweight)
+
+
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("n,k,group_size", [(16, 8, 8), (48, 40, 8), (64, 96, 32), (960, 576, 32),
                                             (32, 512, 256), (80, 192, 64)])

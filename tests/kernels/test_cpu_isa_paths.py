@@ -23,7 +23,8 @@ LEVELS = {"x86-64": (), "x86-64-v3": ("avx2", "fma"), "x86-64-v4": ("avx512f", "
 KERNEL_TESTS = [str(Path(__file__).with_name(name)) for name in ("test_cpu_gemv.py", "test_cpu_int4_gemv.py",
                                                                            "test_cpu_gemv_q16.py",
                                                                            "test_cpu_decode_kernels.py",
-                                                                           "test_cpu_gemm.py")]
+                                                                           "test_cpu_gemm.py",
+                                                                           "test_cpu_quantize.py")]
 SELECTION = "matches_reference or overflow or zero_group or zero_rows or threads or rows_shape"
 
 

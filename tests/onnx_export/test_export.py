@@ -1,7 +1,11 @@
 """export_onnx on tiny models of every architecture: ONNX Runtime's greedy tokens equal PyTorch eager's,
 sliding windows are honoured, quantized exports are fastflow's quantized model, ONNX Runtime GenAI
 loads the folder unchanged, and what cannot be exported says why before any work."""
+import io
 import json
+import logging
+import re
+import sys
 import types
 
 import pytest
@@ -15,6 +19,13 @@ from ffl_backend.onnx import OnnxCausalLM, export_onnx  # noqa: E402
 from ffl_backend.onnx.runtime import genai_greedy  # noqa: E402
 
 NEW_TOKENS = 32
+
+
+class FakeTTY(io.StringIO):
+    """A stderr that says it is a terminal."""
+
+    def isatty(self):
+        return True
 
 
 def greedy_reference(model, ids, new_tokens=NEW_TOKENS):
@@ -33,9 +44,17 @@ def onnx_greedy(folder, ids, model):
 
 # The fast set exports one architecture; --slow every one (docs/testing.md).
 @pytest.mark.parametrize("arch", [a if a == "llama" else pytest.param(a, marks=pytest.mark.slow) for a in ARCHS])
-def test_every_architecture_exports_and_generates_eagers_tokens(arch, tmp_path):
+def test_every_architecture_exports_and_generates_eagers_tokens(arch, tmp_path, monkeypatch, caplog):
     model = tiny_model(arch)
+    stderr = FakeTTY()  # a terminal: the bar over the export's phases is shown
+    monkeypatch.setattr(sys, "stderr", stderr)
+    monkeypatch.delenv("FFL_PROGRESS", raising=False)
+    caplog.set_level(logging.INFO, logger="ffl_backend")
     export_onnx(model, tmp_path)
+    summary = [r.getMessage() for r in caplog.records if r.getMessage().startswith("fastflow: ONNX export")]
+    assert len(summary) == 1 and re.fullmatch(r"fastflow: ONNX export [\d.]+ s: export [\d.]+ s, fuse [\d.]+ s, "
+                                              r"write [\d.]+ s, check [\d.]+ s", summary[0]), summary
+    assert re.search(r"ONNX export: check: 100%\|.*\| (\d+)/\1 ", stderr.getvalue())
     config = json.loads((tmp_path / "genai_config.json").read_text())
     assert config["search"]["past_present_share_buffer"] is False
     for seed, length in ((0, 9), (1, 1)):  # a one-token prompt too: every dimension of the trace was > 1

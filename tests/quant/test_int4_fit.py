@@ -6,7 +6,7 @@ from torch import nn
 
 import ffl_backend
 from ffl_backend import numerics as P
-from ffl_backend.quant import int4_fit
+from ffl_backend.kernels import cpu_quantize
 from ffl_backend.quant.calibration import input_mean_squares
 from ffl_backend.quant.int4_fit import quantize_int4_fitted
 from ffl_backend.quant.modules import Int4Linear
@@ -77,10 +77,11 @@ def test_degenerate_groups_stay_finite():
 
 
 def test_row_blocks_do_not_change_the_result(monkeypatch):
+    """The pure-torch reference works in row blocks (the C++ op in groups: tests/kernels/test_cpu_quantize.py)."""
     w = _weight(37, 96, seed=11)
-    whole = quantize_int4_fitted(w, 32)
-    monkeypatch.setattr(int4_fit, "BLOCK_ELEMENTS", 96 * 5)  # 5 rows per block, a ragged last block
-    for got, want in zip(quantize_int4_fitted(w, 32), whole):
+    whole = cpu_quantize.quantize_int4_fitted_ref(w, 32)
+    monkeypatch.setattr(cpu_quantize, "BLOCK_ELEMENTS", 96 * 5)  # 5 rows per block, a ragged last block
+    for got, want in zip(cpu_quantize.quantize_int4_fitted_ref(w, 32), whole):
         assert torch.equal(got, want)
 
 
