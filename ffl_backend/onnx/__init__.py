@@ -4,5 +4,5 @@ from .._lazy import lazy_getattr
 
 __all__ = ["export_onnx", "check_export", "OnnxCausalLM"]
 
-__getattr__ = lazy_getattr(__name__, {"export_onnx": "export", "check_export": "export",
+__getattr__ = lazy_getattr(__name__, {"export_onnx": "export", "check_export": "check",
                                       "OnnxCausalLM": "runtime"})

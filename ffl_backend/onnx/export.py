@@ -16,6 +16,7 @@ import torch
 
 from .. import progress
 from . import decoder, nbits
+from .check import check_export
 from .genai import write_genai_config
 
 logger = logging.getLogger("ffl_backend.onnx")
@@ -154,65 +155,3 @@ def _write_side_files(model, out: Path, tokenizer, max_seq_len: int | None) -> N
             if source.is_dir() and (source / name).is_file():
                 shutil.copy2(source / name, out / name)
     write_genai_config(model.config, out, max_seq_len)
-
-
-def check_export(model, out: Path, accuracy_level: int = 4, prompt_len: int = 7, steps: int = 2) -> str:
-    """Logits of the export on a prompt and `steps` greedy decode steps against PyTorch's (the same
-    weights, through nbits' reference); raises where they differ by more than the computation's own
-    error allows. Returns the one-line summary.
-
-    Float activations: fp32 rounding, 1e-4 of the logits' size. Level 4 (int8 activations): each
-    layer re-rounds its inputs, so a last-bit difference upstream moves codes downstream and two
-    exact implementations differ by about as much as the rounding itself; the tolerance is twice
-    what level 4 changes against float activations in PyTorch, measured on the same steps."""
-    from .runtime import OnnxCausalLM
-
-    session = OnnxCausalLM(out)
-    vocab = decoder.text_config(model.config).vocab_size
-    ids = torch.randint(0, vocab, (1, prompt_len), generator=torch.Generator().manual_seed(0))
-    got = _steps(lambda step_ids, past: _onnx_step(session, step_ids, past), ids, steps)
-    ref = _reference_steps(model, ids, steps, accuracy_level)
-    worst = max(float((g - r).abs().max()) for g, r in zip(got, ref))
-    bound = max(1e-4 * (1.0 + float(r.abs().max())) for r in ref)
-    if accuracy_level == nbits.INT8_ACTIVATIONS:
-        exact = _reference_steps(model, ids, steps, 0)
-        bound += 2 * max(float((r - e).abs().max()) for r, e in zip(ref, exact))
-    line = (f"ONNX export check: max |logits - PyTorch| = {worst:.3g} over a prompt and {steps} decode steps "
-            f"(tolerance {bound:.3g}{', int8 activations' if accuracy_level == nbits.INT8_ACTIVATIONS else ''})")
-    if not worst <= bound:
-        raise RuntimeError(line + ": the export does not compute the model")
-    return line
-
-
-def _reference_steps(model, ids, steps: int, accuracy_level: int) -> list:
-    with torch.no_grad(), nbits.as_matmul_nbits(model, accuracy_level):
-        torch_side = decoder.KVDecoder(model).eval()
-        return _steps(lambda step_ids, past: _torch_step(torch_side, step_ids, past), ids, steps)
-
-
-def _steps(step, ids, steps: int) -> list:
-    """Logits of a prompt and `steps` decode steps fed the tokens 1, 2, ... (the same for every side)."""
-    logits, past = step(ids, None)
-    out = [logits]
-    for i in range(steps):
-        logits, past = step(torch.full((ids.shape[0], 1), i + 1), past)
-        out.append(logits)
-    return out
-
-
-def _onnx_step(session, ids, past):
-    logits, present = session.step(ids, past)
-    return torch.from_numpy(logits).float(), present
-
-
-def _torch_step(torch_side, ids, past):
-    layers = torch_side.layers
-    if past is None:
-        kv_heads, head_dim = decoder.cache_geometry(torch_side.model.config)[1:]
-        dtype = next(torch_side.model.parameters()).dtype
-        past = [torch.zeros(ids.shape[0], kv_heads, 0, head_dim, dtype=dtype) for _ in range(2 * layers)]
-    total = past[0].shape[2] + ids.shape[1]
-    mask = torch.ones(ids.shape[0], total, dtype=torch.long)
-    positions = torch.arange(past[0].shape[2], total).expand(ids.shape[0], -1)
-    logits, *present = torch_side(ids, mask, positions, *past)
-    return logits.float(), present

@@ -16,7 +16,7 @@ _NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 class OnnxCausalLM:
     """An exported decoder in an `onnxruntime.InferenceSession` (CPU unless `providers` says)."""
 
-    def __init__(self, folder, providers=None, threads: int | None = None):
+    def __init__(self, folder, providers=None, threads: int | None = None, model_file: str = "model.onnx"):
         import onnxruntime as ort
         from transformers import AutoConfig
 
@@ -24,7 +24,7 @@ class OnnxCausalLM:
         options = ort.SessionOptions()
         if threads:
             options.intra_op_num_threads = threads
-        self.session = ort.InferenceSession(str(self.folder / "model.onnx"), options,
+        self.session = ort.InferenceSession(str(self.folder / model_file), options,
                                             providers=providers or ["CPUExecutionProvider"])
         self.config = AutoConfig.from_pretrained(self.folder)
         self.layers, self.kv_heads, self.head_dim = decoder.cache_geometry(self.config)

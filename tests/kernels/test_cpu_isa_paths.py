@@ -25,6 +25,7 @@ KERNEL_TESTS = [str(Path(__file__).with_name(name)) for name in ("test_cpu_gemv.
                                                                            "test_cpu_decode_kernels.py",
                                                                            "test_cpu_gemm.py",
                                                                            "test_cpu_quantize.py")]
+FAST_LEVELS = ("x86-64", "x86-64-v3")
 SELECTION = "matches_reference or overflow or zero_group or zero_rows or threads or rows_shape"
 
 
@@ -33,8 +34,10 @@ def _cpu_has(flags) -> bool:
     return all(f in words for f in flags)
 
 
-@pytest.mark.slow  # a library build per ISA, each in its own process (~60 s each): docs/testing.md
-@pytest.mark.parametrize("march", sorted(LEVELS))
+# The portable and AVX2 paths -- what most users' CPUs run -- in the fast set; the AVX-512 build without
+# VNNI/BF16 with --slow (docs/testing.md). scripts/setup.sh builds each library once per machine.
+@pytest.mark.parametrize("march", [m if m in FAST_LEVELS else pytest.param(m, marks=pytest.mark.slow)
+                                   for m in sorted(LEVELS)])
 def test_other_instruction_set_paths_match_the_reference(march):
     if not _cpu_has(LEVELS[march]):
         pytest.skip(f"this CPU cannot run -march={march}")

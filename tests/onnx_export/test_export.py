@@ -76,12 +76,12 @@ def test_sliding_window_is_honoured(tmp_path):
     assert (logits[0, -1] - unwindowed[0, -1]).abs().max() > 1e-3
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("quant", ["int4", "int8-all"])
+# The fast set exports int4 (fitted grids, fractional zero points); --slow int8-all too.
+@pytest.mark.parametrize("quant", ["int4", pytest.param("int8-all", marks=pytest.mark.slow)])
 def test_quantized_export_is_fastflows_quantized_model(quant, tmp_path):
-    """Float activations (level 0): the export computes exactly fastflow's weights; the default level 4
-    (int8 activations) is checked by export_onnx itself against the same rounding in PyTorch (the
-    GenAI test below exports that way)."""
+    """Float activations (level 0): the export computes exactly fastflow's weights, so ONNX Runtime's
+    greedy tokens equal those of PyTorch's quantized model; the default level 4 (int8 activations) is
+    checked by export_onnx itself layer by layer (the tests below)."""
     model = tiny_model("qwen2")
     export_onnx(model, tmp_path, quant=quant, accuracy_level=0)
     import onnx
@@ -91,6 +91,42 @@ def test_quantized_export_is_fastflows_quantized_model(quant, tmp_path):
     for seed in range(2):
         ids = prompt(9, seed)
         assert torch.equal(onnx_greedy(tmp_path, ids, model), greedy_reference(model, ids))
+
+
+def test_level_4_check_fails_an_export_that_skips_the_activation_rounding(tmp_path):
+    """The graph written at level 0 (float activations) computes the model to fp32 rounding, but it is
+    not what level 4 means: checked as level 4, its MatMulNBits nodes miss their per-layer bound. The
+    same export checked as what it is passes, and so does the level-4 export (export_onnx checks it)."""
+    from ffl_backend.onnx import check_export
+
+    model = tiny_model("llama")
+    export_onnx(model, tmp_path / "level0", quant="int4", accuracy_level=0, fuse=False)
+    assert "MatMulNBits at float" not in check_export(model, tmp_path / "level0", accuracy_level=0)
+    with pytest.raises(RuntimeError, match="MatMulNBits node .* at level 4 is .* beyond"):
+        check_export(model, tmp_path / "level0", accuracy_level=4)
+    export_onnx(model, tmp_path / "level4", fuse=False)  # quantized already; level 4 is the default
+    assert "MatMulNBits nodes each within" in check_export(model, tmp_path / "level4", accuracy_level=4)
+
+
+def test_level_4_check_fails_an_export_with_a_dropped_scale(tmp_path):
+    """One int4 group's scale written as 1 (dropped) in the graph: the logits at float activations move
+    by more than fp32 rounding, and the check says so."""
+    import onnx
+    from onnx import numpy_helper
+
+    from ffl_backend.onnx import check_export
+
+    model = tiny_model("llama")
+    export_onnx(model, tmp_path, quant="int4", fuse=False)
+    graph = onnx.load(str(tmp_path / "model.onnx"))
+    node = next(n for n in graph.graph.node if n.op_type == "MatMulNBits")
+    scales = next(t for t in graph.graph.initializer if t.name == node.input[2])
+    values = numpy_helper.to_array(scales).copy()
+    values.flat[0] = 1.0
+    scales.CopyFrom(numpy_helper.from_array(values, scales.name))
+    onnx.save(graph, str(tmp_path / "model.onnx"))
+    with pytest.raises(RuntimeError, match="does not compute the model"):
+        check_export(model, tmp_path, accuracy_level=4)
 
 
 def test_cli_export_loads_in_onnxruntime_genai_with_the_same_tokens(tmp_path):

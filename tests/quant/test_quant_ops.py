@@ -119,6 +119,35 @@ def test_w8a8_cpu_path_matches_reference(dtype, shape, static):
         torch.testing.assert_close(out, K.w8a8_linear_ref(x, q, s, x_scale, b, sm))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("gemm", ("fastflow", "torch"))
+def test_w8a8_fallback_where_int_mm_saturates_matches_the_float64_reference(dtype, shape, gemm, monkeypatch):
+    """On CPUs whose torch._int_mm saturates (no VNNI: K.int_mm_is_exact() False) W8A8 multiplies its
+    int8 codes in fp32: through fastflow's GEMM, or torch's matmul where the library is missing. Forced
+    here on any CPU. Bound: twice the error of the same codes summed by torch in fp32, plus the output
+    dtype's rounding of the result, against the float64 reference."""
+    from ffl_backend.kernels import cpu_gemm
+
+    monkeypatch.setattr(K, "int_mm_is_exact", lambda: False)
+    if gemm == "torch":
+        monkeypatch.setattr(cpu_gemm, "available", lambda: False)
+    elif not cpu_gemm.available():
+        pytest.skip("fastflow's CPU GEMM is not built here")
+    x, w, b = _inputs(shape, dtype)
+    q, s = P.quantize_int8(w, torch.float32)
+    for smooth in (None, torch.rand(shape[-2]) + 0.5):
+        out = torch.ops.fastflow.w8a8_linear(x, q, s, None, b, smooth)
+        exact = K.w8a8_linear_ref(x.double(), q, s.double(), None, _f64(b), _f64(smooth))
+        qx, xs = P.quantize_act_int8(K.smoothed_rows(x, smooth))
+        fp32 = ((qx.float() @ q.float().T) * xs * s).reshape(exact.shape) + (0 if b is None else b.float())
+        own = (fp32.double() - exact).abs().max().item()
+        rounding = exact.abs().max().item() * torch.finfo(dtype).eps
+        err = (out.double() - exact).abs().max().item()
+        assert out.dtype == dtype and out.shape == exact.shape
+        assert err <= 2 * own + rounding + 1e-6, f"error {err:.3g} > 2 x fp32 error {own:.3g} + {rounding:.3g}"
+
+
 def test_w8a8_reference_is_close_to_float():
     x, w, _ = _inputs((8, 512, 256), torch.float32, bias=False)
     q, s = P.quantize_int8(w, torch.float32)
