@@ -1,6 +1,7 @@
 """`torch.ops.fastflow_cpu.int4_gemv` and `int4_widen`: the weight layout, references and fakes (the
 kernels: cpu_gemv.cpp, cpu_widen.cpp); `int4_layout_pack` / `int4_layout_unpack`, which make that
-layout from the portable codes and back (cpu_int4_layout.cpp).
+layout from the portable codes and back, and `int4_layout_table`, its scale/zero half alone, for codes
+saved in the layout (cpu_int4_layout.cpp).
 
     int4_gemv(x, packed, scale_zeros, bias or None, G) = x @ W.T + bias, W group-wise int4
 
@@ -46,9 +47,13 @@ def int4_layout(codes: Tensor, scale_zeros: Tensor, group_size: int) -> tuple:
     n, k = codes.shape
     blocks = codes.to(torch.uint8).reshape(n // INT4_ROWS, INT4_ROWS, k // INT4_CHUNK, 2, INT4_CHUNK // 2)
     packed = (blocks[:, :, :, 0] | (blocks[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
-    groups = scale_zeros.reshape(k // group_size, n // INT4_ROWS, INT4_ROWS, 2).permute(1, 0, 3, 2)
-    return (packed.reshape(n // INT4_ROWS, k // INT4_CHUNK, 4 * INT4_ROWS).contiguous(),
-            groups.to(torch.bfloat16).contiguous())
+    return packed.reshape(n // INT4_ROWS, k // INT4_CHUNK, 4 * INT4_ROWS).contiguous(), _table_layout(scale_zeros, n)
+
+
+def _table_layout(scale_zeros: Tensor, n: int) -> Tensor:
+    """torch's (K/G, N, 2) table laid out as `int4_gemv` reads it: (N/16, K/G, 2, 16) bf16."""
+    groups = scale_zeros.reshape(scale_zeros.shape[0], n // INT4_ROWS, INT4_ROWS, 2).permute(1, 0, 3, 2)
+    return groups.to(torch.bfloat16).contiguous()
 
 
 def int4_layout_codes(packed: Tensor) -> Tensor:
@@ -70,9 +75,25 @@ def _op_applies(t: Tensor) -> bool:
 
 def int4_layout_from_portable(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int) -> tuple:
     """`int4_layout_from_portable_ref`, by the C++ op where the library is built (bit-equal)."""
-    if _op_applies(qweight):
-        return torch.ops.fastflow_cpu.int4_layout_pack(qweight, scale, zero, group_size)
-    return int4_layout_from_portable_ref(qweight, scale, zero, group_size)
+    return int4_layout_from_portables([qweight], [scale], [zero], group_size)
+
+
+def int4_layout_from_portables(qweights: list, scales: list, zeros: list, group_size: int) -> tuple:
+    """The layout of the row concatenation of several weights of one K (sibling projections: each
+    one's rows a multiple of 16, so its part is a slice of blocks), made in one pass without
+    concatenating anything first: equal to `int4_layout_from_portable_ref` of the concatenation."""
+    if _op_applies(qweights[0]):
+        return torch.ops.fastflow_cpu.int4_layout_pack(list(qweights), list(scales), list(zeros), group_size)
+    cat = (torch.cat(list(parts)) if len(parts) > 1 else parts[0] for parts in (qweights, scales, zeros))
+    return int4_layout_from_portable_ref(*cat, group_size)
+
+
+def int4_layout_tables(scales: list, zeros: list, group_size: int) -> Tensor:
+    """The scale/zero half of `int4_layout_from_portables`: for codes already in the layout (saved so)."""
+    if _op_applies(scales[0]):
+        return torch.ops.fastflow_cpu.int4_layout_table(list(scales), list(zeros), group_size)
+    scale, zero = (torch.cat(list(parts)) if len(parts) > 1 else parts[0] for parts in (scales, zeros))
+    return _table_layout(int4_scale_zero_table(scale, zero), scale.shape[0])
 
 
 def portable_codes(packed: Tensor) -> Tensor:
@@ -111,10 +132,16 @@ def _fake_int4_gemv(x: Tensor, packed, scale_zeros, bias, group_size: int) -> Te
 
 
 @cpu_lib.fake("int4_layout_pack")
-def _fake_int4_layout_pack(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int) -> tuple:
-    n, k = qweight.shape[0], qweight.shape[1] * 2
-    return (qweight.new_empty((n // INT4_ROWS, k // INT4_CHUNK, 4 * INT4_ROWS)),
-            scale.new_empty((n // INT4_ROWS, k // group_size, 2, INT4_ROWS), dtype=torch.bfloat16))
+def _fake_int4_layout_pack(qweights: list, scales: list, zeros: list, group_size: int) -> tuple:
+    n, k = sum(q.shape[0] for q in qweights), qweights[0].shape[1] * 2
+    return (qweights[0].new_empty((n // INT4_ROWS, k // INT4_CHUNK, 4 * INT4_ROWS)),
+            qweights[0].new_empty((n // INT4_ROWS, k // group_size, 2, INT4_ROWS), dtype=torch.bfloat16))
+
+
+@cpu_lib.fake("int4_layout_table")
+def _fake_int4_layout_table(scales: list, zeros: list, group_size: int) -> Tensor:
+    n = sum(s.shape[0] for s in scales)
+    return scales[0].new_empty((n // INT4_ROWS, scales[0].shape[1], 2, INT4_ROWS), dtype=torch.bfloat16)
 
 
 @cpu_lib.fake("int4_layout_unpack")

@@ -151,10 +151,27 @@ def int4_cpu_form(qweight: Tensor, scale: Tensor, zero: Tensor, group_size: int)
     `int4_gemv` layout ((N/16, K/8, 64) codes, (N/16, K/G, 2, 16) scale/zero) where that kernel is
     built and takes the shape (faster than torch's at batch 1, docs/performance.md#cpu-decode-gemvs;
     and it reads x in fp32), else torch's pack (`int4_cpu_pack`), else (None, None): the reference."""
-    n, k = qweight.shape[0], qweight.shape[1] * 2
-    if qweight.device.type == "cpu" and int4_layout.int4_layout_fits(n, k, group_size) and cpu_gemv.ready():
+    if int4_layout_applies(qweight, group_size):
         return int4_layout.int4_layout_from_portable(qweight, scale, zero, group_size)
     return int4_cpu_pack(qweight, scale, zero, group_size)
+
+
+def int4_layout_applies(qweight: Tensor, group_size: int) -> bool:
+    """Whether the CPU form of this (N, K/2) int4 weight is fastflow's `int4_gemv` layout: a CPU weight
+    whose shape it takes, the kernel built."""
+    n, k = qweight.shape[0], qweight.shape[1] * 2
+    return qweight.device.type == "cpu" and int4_layout.int4_layout_fits(n, k, group_size) and cpu_gemv.ready()
+
+
+def int4_cpu_form_fused(qweights: list, scales: list, zeros: list, group_size: int):
+    """The CPU form of sibling int4 weights' row concatenation (one K and group size), made in one
+    pass (`int4_layout_pack`) where fastflow's layout takes every member: (packed, scale_zeros), each
+    member's form the slice of its blocks of 16 rows. None where it does not: each member then makes
+    its own form (`int4_cpu_form`)."""
+    k = qweights[0].shape[1] * 2
+    if not all(q.shape[1] * 2 == k and int4_layout_applies(q, group_size) for q in qweights):
+        return None
+    return int4_layout.int4_layout_from_portables(qweights, scales, zeros, group_size)
 
 
 def int4_cpu_codes(packed: Tensor, n: int, k: int) -> Optional[Tensor]:

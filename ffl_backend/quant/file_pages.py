@@ -15,6 +15,11 @@ last layer, on top of the new int8 tables (the peak: docs/performance.md#quantiz
 `page_out` hands a replaced weight's pages back to the kernel as soon as its layer is done
 (MADV_PAGEOUT: a hint that never changes contents -- a page read again comes back from the file, a page
 written since loading is kept), so at most a layer's worth of the file is resident at a time.
+
+Loading a saved quantized checkpoint maps its file too (quant/serialization.py); there the pages a
+module's CPU form was made from are `drop_pages`d -- unmapped from this process, kept in the page cache
+for the next load -- and int8 tables a kernel needs aligned are copied out a block at a time
+(`copy_dropping_pages`) where an older file left them unaligned.
 """
 from __future__ import annotations
 

@@ -29,6 +29,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .handlers import build_module, replaced_type
 from .quantizer import STATE_ATTR, _set_module, quantize, quantized_modules, share_cpu_forms
+from .weight_layout import finalization_units, finalize_unit
 
 logger = logging.getLogger("ffl_backend")
 
@@ -97,8 +98,8 @@ class FastflowHfQuantizer(HfQuantizer):
             cfg.modules = {name: m.spec() for name, m in quantized_modules(model).items()}
             cfg.kept = dict(state["kept"])
             return model
-        for module in quantized_modules(model).values():
-            module.finalize()  # may re-align (copy) buffers: tie after it
+        for unit in finalization_units(model):  # sibling int4 linears: one CPU form, made as one
+            finalize_unit(unit)  # may re-align (copy) buffers: tie after it
         for alias, target in cfg.tied.items():  # both were loaded: keep one copy
             owner, _, buffer = alias.rpartition(".")
             setattr(model.get_submodule(owner), buffer, model.get_buffer(target))
@@ -127,9 +128,11 @@ def register_with_transformers() -> None:
     logger.debug("registered the %r quantizer with transformers", QUANT_METHOD)
 
 
-def config_entry(model, tied: dict | None = None) -> dict:
+def config_entry(model, tied: dict | None = None, modules: dict | None = None) -> dict:
     """The config.json `quantization_config` of a model quantized by ffl_backend; `tied`: buffers
-    saved twice that share one tensor once loaded ({alias: target})."""
+    saved twice that share one tensor once loaded ({alias: target}); `modules`: each quantized
+    module's spec as saved (default: `spec()`)."""
     state = getattr(model, STATE_ATTR, {})
-    modules = {name: m.spec() for name, m in quantized_modules(model).items()}
+    if modules is None:
+        modules = {name: m.spec() for name, m in quantized_modules(model).items()}
     return FastflowQuantizationConfig(modules, state.get("config"), state.get("kept"), tied=tied).to_dict()

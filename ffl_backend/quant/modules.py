@@ -9,6 +9,7 @@ exactly: its `qweight` is then a stand-in (`is_stand_in`), and `state_dict()` st
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -19,6 +20,7 @@ from .int4_fit import quantize_int4_fitted
 from .schemes import QuantConfig
 
 ALIGN = 64  # bytes: a cache line, and what torch's CPU allocator gives
+SAVED_LAYOUT = "int4_gemv"  # Int4Linear.codes_layout of codes saved in fastflow's kernel layout
 
 
 class QuantizedModule(nn.Module):
@@ -117,9 +119,16 @@ class Int4Linear(QuantizedLinear):
     scheme = "int4"
     any_address = ("qweight", "scale", "zero")  # the kernels read cpu_packed / cpu_scale_zeros, made here
 
-    def __init__(self, in_features, out_features, dtype, has_bias, device=None, group_size=128):
+    def __init__(self, in_features, out_features, dtype, has_bias, device=None, group_size=128,
+                 codes_layout="portable"):
+        """codes_layout: how the codes about to be loaded into `qweight` are laid out: "portable"
+        (numerics.pack_int4), or SAVED_LAYOUT (fastflow's kernel layout, (N/16, K/8, 64) bytes viewed as
+        (N, K/2): a checkpoint saved so). `finalize()` reads it once; the module then holds its codes
+        as any other."""
         super().__init__(in_features, out_features, dtype, has_bias, device)
-        self.group_size = group_size
+        if codes_layout not in ("portable", SAVED_LAYOUT):
+            raise ValueError(f"int4 codes_layout {codes_layout!r}: 'portable' or {SAVED_LAYOUT!r}")
+        self.group_size, self.codes_layout = group_size, codes_layout
         groups = in_features // group_size
         self.register_buffer("qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8, device=device))
         self.register_buffer("scale", torch.empty(out_features, groups, dtype=dtype, device=device))
@@ -150,12 +159,50 @@ class Int4Linear(QuantizedLinear):
         return m.finalize()
 
     def finalize(self):
+        Int4Linear.finalize_siblings([self])
+        return self
+
+    def _start_finalize(self):
+        """Real codes in `qweight`, buffers aligned where a kernel needs it; returns the codes as saved
+        in fastflow's layout ((N/16, K/8, 64), a view of `qweight`) when they came so, else None."""
         if is_stand_in(self.qweight):  # finalized before: start again from the real codes
             self.qweight = self.portable_qweight()
         super().finalize()
-        self.cpu_packed, self.cpu_scale_zeros = K.int4_cpu_form(self.qweight, self.scale, self.zero, self.group_size)
-        self._keep_codes_in_pack()
-        return self
+        if self.codes_layout != SAVED_LAYOUT:
+            return None
+        self.codes_layout = "portable"  # read once: from here on `qweight` is what it says, or a stand-in
+        rows, chunk = K.int4_layout.INT4_ROWS, K.int4_layout.INT4_CHUNK
+        return self.qweight.reshape(self.out_features // rows, self.in_features // chunk, 4 * rows)
+
+    @staticmethod
+    def finalize_siblings(members: list) -> None:
+        """Finalize int4 linears -- one alone, or siblings (one input: q/k/v, gate/up; one in_features
+        and group size) -- with one CPU form for all: the layout of their row concatenation, made in one
+        pass, each member's form a slice of it (what `weight_layout.share_sibling_packs` would otherwise
+        copy their separate forms into: a loaded checkpoint's largest copy). Codes saved in that layout
+        (`codes_layout`) are the form themselves: only the scale/zero table is made. Where the layout
+        does not take every member, each gets its own form (`int4_cpu_form`: torch's pack, or none)."""
+        saved = [m._start_finalize() for m in members]
+        group = members[0].group_size
+        scales, zeros = [m.scale for m in members], [m.zero for m in members]
+        if all(s is not None and K.int4_layout_applies(m.qweight, group) for s, m in zip(saved, members)):
+            # a mapped checkpoint's codes: used where they are (the writer puts them at 64-byte offsets)
+            packs = [s if s.data_ptr() % ALIGN == 0 else s.clone() for s in saved]
+            table = K.int4_layout.int4_layout_tables(scales, zeros, group)
+            forms = zip(packs, _row_blocks(table, members))
+        else:
+            for m, s in zip(members, saved):
+                if s is not None:  # saved in the layout, but its form here is another: portable codes
+                    m.qweight = K.int4_layout.portable_codes(s)
+            fused = K.int4_cpu_form_fused([m.qweight for m in members], scales, zeros, group)
+            forms = (zip(*(_row_blocks(t, members) for t in fused)) if fused is not None
+                     else (K.int4_cpu_form(m.qweight, m.scale, m.zero, group) for m in members))
+        for m, s, (packed, table) in zip(members, saved, forms):
+            m.cpu_packed, m.cpu_scale_zeros = packed, table
+            if s is not None and packed is not None and packed.dim() == 3:
+                m.qweight = _stand_in(m)  # the form is the saved codes: nothing to check
+            else:
+                m._keep_codes_in_pack()
 
     def _keep_codes_in_pack(self) -> None:
         """Keep one copy of the codes on CPU. The CPU kernels read only their own form (fastflow's
@@ -174,13 +221,14 @@ class Int4Linear(QuantizedLinear):
         n, k = self.out_features, self.in_features
         if self.cpu_packed.dim() == 3:
             rows = K.int4_layout.INT4_ROWS
-            same = all(torch.equal(K.int4_cpu_codes(self.cpu_packed[b], rows, k), self.qweight[r])
+            # compared in numpy: torch.equal starts a parallel region, ~5 ms beside a busy process
+            same = all(np.array_equal(K.int4_cpu_codes(self.cpu_packed[b], rows, k).numpy(), self.qweight[r].numpy())
                        for b, r in ((slice(0, 1), slice(0, rows)), (slice(-1, None), slice(n - rows, n))))
         else:
             rebuilt = K.int4_cpu_codes(self.cpu_packed, n, k)
             same = rebuilt is not None and torch.equal(rebuilt, self.qweight)
         if same:
-            self.qweight = torch.zeros((), dtype=torch.uint8).expand(n, k // 2)
+            self.qweight = _stand_in(self)
 
     def portable_qweight(self) -> Tensor:
         """The (N, K/2) codes in the portable layout (numerics.py), wherever they are kept."""
@@ -220,6 +268,20 @@ class Int4Linear(QuantizedLinear):
         if K.calls_cpu_body(x):
             return K.int4_linear_cpu(*args)
         return torch.ops.fastflow.int4_linear(*args)
+
+
+def _stand_in(m: Int4Linear) -> Tensor:
+    return torch.zeros((), dtype=torch.uint8).expand(m.out_features, m.in_features // 2)
+
+
+def _row_blocks(t: Tensor, members: list) -> list:
+    """Each member's slice of a fused form (dim 0 in blocks of 16 rows)."""
+    parts, first = [], 0
+    for m in members:
+        blocks = m.out_features // K.int4_layout.INT4_ROWS
+        parts.append(t[first:first + blocks])
+        first += blocks
+    return parts
 
 
 def is_stand_in(t) -> bool:

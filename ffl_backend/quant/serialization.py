@@ -2,21 +2,25 @@
 
 A saved folder holds `config.json` (the HF config, with a `quantization_config` that lets
 `AutoModelForCausalLM.from_pretrained(folder)` load it quantized: quant/hf_integration.py),
-`model.safetensors` (canonical quantized buffers and the high-precision rest) and `ffl_quant.json`
-(the quant config and each quantized module's spec).
+`model.safetensors` (the quantized buffers -- int4 codes portable or in the kernel layout, below --
+and the high-precision rest) and `ffl_quant.json` (the quant config and each quantized module's spec).
 
 Loading builds the architecture on the meta device, swaps in empty quantized modules, and assigns the
 saved tensors as views of one private memory mapping of the file: the high-precision model is never
-materialized and nothing is read twice. Each quantized module then makes its CPU form from its views
-(int4: one C++ pass into the kernels' layout, kernels/int4_layout.py), and the pages that read are
-unmapped again (file_pages.drop_pages: they stay in the page cache), so peak memory is the CPU forms
-plus one layer's pages. What no kernel reads -- an int4 module's portable scale and zero point, kept
-for saving and moves -- stays in the file until something reads it. `save_quantized` writes every
-tensor whose size allows at a 64-byte-aligned offset, so the int8 tables (torch's int8 kernel needs
-aligned weights) are used in place; older files' unaligned ones are copied. A checkpoint is replaced
-by writing a new file and renaming it over the old one: a model loaded from the old file keeps
-reading the old file's pages (the mapping holds its inode), so saving over the folder a model was
-loaded from is safe. Modifying the file in place under a loaded model is not.
+materialized and nothing is read until used. int4 linears whose CPU form is fastflow's kernel layout
+save their codes in that layout (the same bytes as the portable codes, permuted; their specs say
+`codes_layout`, manifest version 2), siblings' (q/k/v, gate/up) back to back: loaded, those mapped
+bytes are the kernels' form as they stand -- one slice for a sibling group, the fused form compiled
+graphs read -- and only the scale/zero table is made (kernels/int4_layout.py). Codes saved portable
+(version 1 files, or a form the layout does not take) are laid out in one C++ pass from their mapped
+pages, which are then unmapped again (file_pages.drop_pages: they stay in the page cache). int8 tables
+are used in place: `save_quantized` writes every tensor whose size allows at a 64-byte-aligned offset
+(torch's int8 kernel needs aligned weights); older files' unaligned ones are copied. What no kernel
+reads -- an int4 module's portable scale and zero point -- stays in the file until something does. So
+a load's peak memory is what the kernels read, once, and most of it only when first read.
+A checkpoint is replaced by writing a new file and renaming it over the old one: a model loaded from
+the old file keeps reading the old file's pages (the mapping holds its inode), so saving over the
+folder a model was loaded from is safe. Modifying the file in place under a loaded model is not.
 """
 from __future__ import annotations
 
@@ -31,8 +35,9 @@ from torch import nn
 
 from .file_pages import copy_dropping_pages, drop_pages, file_mappings
 from .handlers import build_module, replaced_type
-from .modules import ALIGN, QuantizedModule
+from .modules import ALIGN, SAVED_LAYOUT, Int4Linear, QuantizedModule
 from .quantizer import STATE_ATTR, _set_module, quantized_modules, share_cpu_forms
+from .weight_layout import finalization_units, finalize_unit, sibling_groups
 
 
 def register_with_transformers() -> None:
@@ -46,7 +51,10 @@ logger = logging.getLogger("ffl_backend")
 MANIFEST = "ffl_quant.json"
 WEIGHTS = "model.safetensors"
 FORMAT = "ffl_backend.quant"
-VERSION = 1
+# 1: every int4 module's codes portable (numerics.pack_int4). 2: some saved in fastflow's kernel layout,
+# their specs saying so (`codes_layout`); a reader of version 1 refuses such a file instead of misreading it.
+VERSION = 2
+READS = (1, 2)
 
 
 def save_quantized(model: nn.Module, directory) -> Path:
@@ -58,22 +66,55 @@ def save_quantized(model: nn.Module, directory) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     tensors, aliases = _dedup(model.state_dict())
     tied = _write_tied_tables(model, tensors, aliases)
+    laid_out = _codes_in_kernel_layout(model, tensors)
+    tensors = _siblings_adjacent(model, tensors, laid_out)
+    specs = {name: {**m.spec(), **({"codes_layout": SAVED_LAYOUT} if name in laid_out else {})}
+             for name, m in modules.items()}
     state = getattr(model, STATE_ATTR, {})
-    manifest = {"format": FORMAT, "version": VERSION, "quant_config": state.get("config"),
+    manifest = {"format": FORMAT, "version": VERSION if laid_out else 1, "quant_config": state.get("config"),
                 "kept": state.get("kept", {}), "dtype": str(_dtype(model)).removeprefix("torch."),
-                "modules": {name: m.spec() for name, m in modules.items()}, "aliases": aliases,
-                "tied": tied, "num_tensors": len(tensors)}
+                "modules": specs, "aliases": aliases, "tied": tied, "num_tensors": len(tensors)}
     _write_weights(tensors, folder / WEIGHTS, metadata={"format": FORMAT, "num_tensors": str(len(tensors))})
     from .hf_integration import config_entry  # imports transformers: on use only
 
     register_with_transformers()
     config = copy.deepcopy(model.config)
-    config.quantization_config = config_entry(model, tied)  # what from_pretrained(folder) needs
+    config.quantization_config = config_entry(model, tied, specs)  # what from_pretrained(folder) needs
     config.save_pretrained(folder)
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
     return folder
+
+
+def _codes_in_kernel_layout(model: nn.Module, tensors: dict) -> set:
+    """int4 linears whose CPU form is fastflow's layout save their codes in it (the same bytes, viewed
+    as the portable (N, K/2)): a load maps them and the kernels read them where they are, with no
+    layout to make and no memory of its own (`Int4Linear.codes_layout`). Returns their names."""
+    laid_out = set()
+    for name, m in quantized_modules(model).items():
+        form = getattr(m, "cpu_packed", None)
+        if isinstance(m, Int4Linear) and form is not None and form.dim() == 3 and form.device.type == "cpu":
+            tensors[f"{name}.qweight"] = form.contiguous().view(m.out_features, m.in_features // 2)
+            laid_out.add(name)
+    return laid_out
+
+
+def _siblings_adjacent(model: nn.Module, tensors: dict, laid_out: set) -> dict:
+    """`tensors` reordered so that each sibling group's (q/k/v, gate/up) kernel-layout codes follow one
+    another in the file: mapped back, they are consecutive slices of one mapping, the fused form the
+    compiled graph reads (weight_layout.shared_base), and nothing is copied to fuse them."""
+    names = {id(m): name for name, m in quantized_modules(model).items()}
+    order = list(tensors)
+    for members in sibling_groups(model, Int4Linear):
+        group = [names[id(m)] for m in members]
+        if not all(name in laid_out for name in group):
+            continue
+        keys = [f"{name}.qweight" for name in group]
+        first = min(order.index(k) for k in keys)
+        rest = [k for k in order if k not in keys]
+        order = rest[:first] + keys + rest[first:]
+    return {k: tensors[k] for k in order}
 
 
 def _dtype(model: nn.Module) -> torch.dtype:
@@ -121,7 +162,7 @@ def _read_manifest(folder: Path) -> dict:
         manifest = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is truncated or corrupt: {exc}") from exc
-    if manifest.get("format") != FORMAT or manifest.get("version") != VERSION:
+    if manifest.get("format") != FORMAT or manifest.get("version") not in READS:
         raise ValueError(f"{path}: unsupported format {manifest.get('format')!r} v{manifest.get('version')}")
     return manifest
 
@@ -140,9 +181,10 @@ def _write_weights(tensors: dict, path: Path, metadata: dict) -> None:
     64-byte boundary, those tensors come first, then the rest by element size, largest first (each
     then starts at a multiple of its element size, as safetensors' own writer arranges). Into a
     temporary file renamed over `path`: a model mapping the old file keeps its pages."""
-    def order(item):
+    def order(item):  # aligned sizes first, in the order given; the rest by element size
         index, (name, t) = item
-        return (t.numel() * t.element_size() % ALIGN != 0, -t.element_size(), index)
+        unaligned = t.numel() * t.element_size() % ALIGN != 0
+        return (unaligned, -t.element_size() if unaligned else 0, index)
 
     entries, offset = {}, 0
     ordered = [item for _, item in sorted(enumerate(tensors.items()), key=order)]
@@ -257,14 +299,15 @@ def _finalize_from_mapping(model: nn.Module) -> None:
     most one module's pages of the file are resident beside the forms at any time."""
     ranges = file_mappings()
     copies = {}  # id of a mapped tensor -> its aligned copy: a tied embedding and head keep one table
-    for m in quantized_modules(model).values():
-        for name in m.unaligned_buffers():
-            buf = m._buffers[name]
-            if id(buf) not in copies:
-                copies[id(buf)] = copy_dropping_pages(buf, ranges)
-            m._buffers[name] = copies[id(buf)]
-        read = [b for b in m._buffers.values() if b is not None]
-        m.finalize()
+    for unit in finalization_units(model):  # sibling int4 linears: one CPU form, no copy into it later
+        for m in unit:
+            for name in m.unaligned_buffers():
+                buf = m._buffers[name]
+                if id(buf) not in copies:
+                    copies[id(buf)] = copy_dropping_pages(buf, ranges)
+                m._buffers[name] = copies[id(buf)]
+        read = [b for m in unit for b in m._buffers.values() if b is not None]
+        finalize_unit(unit)
         for b in read:
             drop_pages(b, ranges)
 

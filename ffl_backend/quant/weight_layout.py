@@ -13,7 +13,7 @@ import torch
 
 from .. import numerics as P
 from ..kernels.quant_linear import int4_cpu_pack
-from .modules import Int4Linear
+from .modules import Int4Linear, QuantizedModule
 
 # Sibling projections HF models keep separate; fused when they read the same input.
 FUSABLE_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -118,3 +118,28 @@ def _share(members: list, name: str) -> None:
     for m, part in zip(members, parts):
         setattr(m, name, fused[start:start + part.shape[0]])
         start += part.shape[0]
+
+
+def finalization_units(model: torch.nn.Module) -> list[list]:
+    """Every quantized module of `model` once, in lists to finalize together (`finalize_units`): the
+    members of a sibling group of int4 linears of one in_features and group size together (their CPU
+    forms made as one, already laid out as `share_sibling_packs` wants), every other module alone."""
+    units, grouped = [], set()
+    for members in sibling_groups(model, Int4Linear):
+        if len({(m.in_features, m.group_size) for m in members}) == 1 and not grouped & {id(m) for m in members}:
+            units.append(members)
+            grouped.update(id(m) for m in members)
+    seen = set(grouped)
+    for m in model.modules():
+        if isinstance(m, QuantizedModule) and id(m) not in seen:
+            units.append([m])
+            seen.add(id(m))
+    return units
+
+
+def finalize_unit(unit: list) -> None:
+    """Finalize the modules of one `finalization_units` list."""
+    if len(unit) > 1:
+        Int4Linear.finalize_siblings(unit)
+    else:
+        unit[0].finalize()

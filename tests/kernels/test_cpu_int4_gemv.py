@@ -76,7 +76,7 @@ def _portable(n, k, group_size, dtype, seed):
 
 def _same_bits(a, b):
     assert a.dtype == b.dtype and a.shape == b.shape
-    return torch.equal(a.view(torch.uint8) if a.dtype != torch.uint8 else a, b.view(torch.uint8) if b.dtype != torch.uint8 else b)
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8))
 
 
 @pytest.mark.parametrize("n,k,group_size", [(16, 8, 8), (48, 40, 8), (64, 96, 32), (960, 576, 32),
@@ -86,7 +86,7 @@ def test_layout_pack_matches_reference(n, k, group_size, dtype):
     """fastflow_cpu::int4_layout_pack: the layout and the bf16 scale/zero table byte for byte equal to
     torch's unpack / stack / permute (int4_layout_from_portable_ref), and unpack gives the codes back."""
     qweight, scale, zero = _portable(n, k, group_size, dtype, seed=n + k)
-    packed, sz = torch.ops.fastflow_cpu.int4_layout_pack(qweight, scale, zero, group_size)
+    packed, sz = torch.ops.fastflow_cpu.int4_layout_pack([qweight], [scale], [zero], group_size)
     want_packed, want_sz = int4_layout.int4_layout_from_portable_ref(qweight, scale, zero, group_size)
     assert _same_bits(packed, want_packed) and _same_bits(sz, want_sz)
     assert torch.equal(torch.ops.fastflow_cpu.int4_layout_unpack(packed), qweight)
@@ -95,8 +95,9 @@ def test_layout_pack_matches_reference(n, k, group_size, dtype):
 
 def test_layout_pack_matches_reference_on_unaligned_strided_and_threaded_inputs():
     """Codes at an odd address (a weight mapped from a file sits anywhere), a column slice of a wider
-    tensor, and many row blocks over 1-3 threads: the same bytes."""
-    n, k, g = 400, 256, 32
+    tensor, and enough row blocks for several threads (the op runs threads from 4 MB of output a
+    thread) over 1-3 threads: the same bytes."""
+    n, k, g = 2048, 8192, 32
     qweight, scale, zero = _portable(n, k, g, torch.bfloat16, seed=3)
     odd = torch.empty(qweight.numel() + 1, dtype=torch.uint8)[1:].view(n, k // 2)
     odd.copy_(qweight)
@@ -107,7 +108,7 @@ def test_layout_pack_matches_reference_on_unaligned_strided_and_threaded_inputs(
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
             for codes in (odd, wide):
-                got = torch.ops.fastflow_cpu.int4_layout_pack(codes, scale, zero, g)
+                got = torch.ops.fastflow_cpu.int4_layout_pack([codes], [scale], [zero], g)
                 assert all(_same_bits(a, b) for a, b in zip(got, want))
                 assert torch.equal(torch.ops.fastflow_cpu.int4_layout_unpack(got[0]), qweight)
     finally:
@@ -117,23 +118,62 @@ def test_layout_pack_matches_reference_on_unaligned_strided_and_threaded_inputs(
 def test_layout_pack_keeps_nan_scales_nan():
     qweight, scale, zero = _portable(16, 64, 32, torch.float32, seed=1)
     scale[3, 1], zero[4, 0] = float("nan"), float("nan")
-    sz = torch.ops.fastflow_cpu.int4_layout_pack(qweight, scale, zero, 32)[1]
+    sz = torch.ops.fastflow_cpu.int4_layout_pack([qweight], [scale], [zero], 32)[1]
     want = int4_layout.int4_layout_from_portable_ref(qweight, scale, zero, 32)[1]
     assert torch.equal(sz.isnan(), want.isnan()) and torch.equal(sz.nan_to_num(), want.nan_to_num())
 
 
+@pytest.mark.parametrize("dtypes", [(torch.bfloat16,) * 3, (torch.float16,) * 3,
+                                    (torch.bfloat16, torch.float32, torch.float16)])
+def test_layout_pack_of_siblings_matches_reference(dtypes):
+    """Several weights of one K (q/k/v: 64, 16 and 48 rows) packed in one call: the layout of their row
+    concatenation (the fused form sibling projections share), each member's part a slice of blocks;
+    members of different scale dtypes go through fp32 as the reference's .float() does."""
+    members = [_portable(n, 96, 32, dtype, seed=n) for n, dtype in zip((64, 16, 48), dtypes)]
+    qweights, scales, zeros = (list(parts) for parts in zip(*members))
+    packed, sz = torch.ops.fastflow_cpu.int4_layout_pack(qweights, scales, zeros, 32)
+    want = int4_layout.int4_layout_from_portable_ref(torch.cat(qweights), torch.cat([s.float() for s in scales]),
+                                                     torch.cat([z.float() for z in zeros]), 32)
+    assert _same_bits(packed, want[0]) and _same_bits(sz, want[1])
+    first = 0
+    for q, s, z in members:
+        alone = torch.ops.fastflow_cpu.int4_layout_pack([q], [s], [z], 32)
+        blocks = q.shape[0] // 16
+        assert _same_bits(packed[first:first + blocks], alone[0]) and _same_bits(sz[first:first + blocks], alone[1])
+        first += blocks
+
+
+def test_layout_table_matches_reference():
+    """fastflow_cpu::int4_layout_table: the scale/zero half of int4_layout_pack alone (codes saved in
+    the layout), for one weight and for siblings, byte for byte."""
+    members = [_portable(n, 256, 64, torch.bfloat16, seed=n) for n in (32, 16)]
+    qweights, scales, zeros = (list(parts) for parts in zip(*members))
+    table = torch.ops.fastflow_cpu.int4_layout_table(scales, zeros, 64)
+    assert _same_bits(table, torch.ops.fastflow_cpu.int4_layout_pack(qweights, scales, zeros, 64)[1])
+    assert _same_bits(table[:2], int4_layout.int4_layout_from_portable_ref(*members[0], 64)[1])
+    torch.library.opcheck(torch.ops.fastflow_cpu.int4_layout_table.default, (scales, zeros, 64))
+    with pytest.raises(RuntimeError, match="multiple of 8"):
+        torch.ops.fastflow_cpu.int4_layout_table(scales, zeros, 0)
+
+
 def test_layout_pack_opcheck_and_errors():
     qweight, scale, zero = _portable(32, 64, 32, torch.bfloat16, seed=2)
-    torch.library.opcheck(torch.ops.fastflow_cpu.int4_layout_pack.default, (qweight, scale, zero, 32))
-    packed = torch.ops.fastflow_cpu.int4_layout_pack(qweight, scale, zero, 32)[0]
-    torch.library.opcheck(torch.ops.fastflow_cpu.int4_layout_unpack.default, (packed,))
+    other = _portable(16, 64, 32, torch.bfloat16, seed=5)
     op = torch.ops.fastflow_cpu.int4_layout_pack
+    torch.library.opcheck(op.default, ([qweight], [scale], [zero], 32))
+    torch.library.opcheck(op.default, ([qweight, other[0]], [scale, other[1]], [zero, other[2]], 32))
+    packed = op([qweight], [scale], [zero], 32)[0]
+    torch.library.opcheck(torch.ops.fastflow_cpu.int4_layout_unpack.default, (packed,))
     with pytest.raises(RuntimeError, match="multiple of 16"):
-        op(qweight[:24], scale[:24], zero[:24], 32)
+        op([qweight[:24]], [scale[:24]], [zero[:24]], 32)
     with pytest.raises(RuntimeError, match="multiple of 8 dividing"):
-        op(qweight, scale, zero, 12)
+        op([qweight], [scale], [zero], 12)
     with pytest.raises(RuntimeError, match=r"\(N, K/G\)"):
-        op(qweight, scale[:, :1], zero[:, :1], 32)
+        op([qweight], [scale[:, :1]], [zero[:, :1]], 32)
+    with pytest.raises(RuntimeError, match="of one K"):
+        op([qweight, qweight[:, :16]], [scale, scale], [zero, zero], 32)
+    with pytest.raises(RuntimeError, match="as many qweights"):
+        op([qweight, qweight], [scale], [zero], 32)
     with pytest.raises(RuntimeError, match=r"\(N/16, K/8, 64\) uint8"):
         torch.ops.fastflow_cpu.int4_layout_unpack(packed.view(-1))
 
@@ -145,6 +185,9 @@ def test_layout_wrappers_take_the_reference_without_the_library(monkeypatch):
     got = int4_layout.int4_layout_from_portable(qweight, scale, zero, 32)
     assert all(_same_bits(a, b) for a, b in zip(got, want))
     assert torch.equal(int4_layout.portable_codes(got[0]), qweight)
+    two = int4_layout.int4_layout_from_portables([qweight, qweight], [scale, scale], [zero, zero], 32)
+    assert all(_same_bits(a, torch.cat([b, b])) for a, b in zip(two, want))
+    assert _same_bits(int4_layout.int4_layout_tables([scale, scale], [zero, zero], 32), two[1])
 
 
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16, torch.float16])

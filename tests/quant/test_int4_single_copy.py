@@ -93,3 +93,32 @@ def test_quantized_model_round_trips_through_stand_ins(tmp_path, int4_form):
     assert {n for n, m in quantized_modules(loaded).items() if is_stand_in(m.qweight)} == held
     ids = torch.randint(3, 128, (2, 12))
     torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
+
+
+def test_siblings_finalized_together_share_one_form_equal_to_their_own(int4_form):
+    """q/k/v-like siblings (64, 16 and 48 rows) finalized together: in fastflow's layout one form made
+    in one pass, each member's form a slice of it and equal to the form it makes alone; in torch's
+    pack each member makes its own."""
+    from ffl_backend.quant.weight_layout import shared_base
+
+    config = QuantConfig("int4", group_size=32, grid="minmax")
+    alone = [Int4Linear.from_linear(torch.nn.Linear(96, n), config) for n in (64, 16, 48)]
+    together = copy.deepcopy(alone)
+    Int4Linear.finalize_siblings(together)
+    assert (shared_base([m.cpu_packed for m in together]) is not None) == (int4_form == "fastflow")
+    for a, t in zip(alone, together):
+        assert torch.equal(a.cpu_packed, t.cpu_packed) and torch.equal(a.cpu_scale_zeros, t.cpu_scale_zeros)
+        assert is_stand_in(t.qweight) == is_stand_in(a.qweight)
+        assert torch.equal(t.portable_qweight(), a.portable_qweight())
+
+
+@pytest.mark.parametrize("block", [0, -1])
+def test_a_form_that_is_not_the_weights_keeps_the_portable_codes(block, int4_form):
+    """The codes become a stand-in only where the form gives them back: fastflow's layout is checked on
+    its first and last block of 16 rows (its op's tests prove the rest), torch's pack whole."""
+    m, qweight = _module(128)
+    form = m.cpu_packed.clone()
+    form[block].view(-1)[0] ^= 0x11  # one byte of the first or last block (of rows) changed
+    m.qweight, m.cpu_packed = qweight.clone(), form
+    m._keep_codes_in_pack()
+    assert not is_stand_in(m.qweight) and torch.equal(m.portable_qweight(), qweight)
