@@ -117,8 +117,8 @@ class Int4Handler(WeightOnlyHandler):
 # Said once per process to whoever quantizes plain "w8a8" with no calibration data; the figures are
 # docs/quantization.md's (SmolLM2-135M, 16k held-out tokens of Pride and Prejudice).
 PLAIN_W8A8_HINT = ('quantize("w8a8") without calibration data: per-token int8 activations, no smoothing '
-                   '(+2.8%% perplexity on SmolLM2-135M); "w8a8-smooth" with calibration_data=[input_ids, ...] '
-                   'loses less (+1.0%%): docs/quantization.md, "Which W8A8 to pick"')
+                   '(+3.3% perplexity on SmolLM2-135M); "w8a8-smooth" with calibration_data=[input_ids, ...] '
+                   'loses less (+1.0%): docs/quantization.md, "Which W8A8 to pick"')
 
 
 @functools.lru_cache(maxsize=1)

@@ -223,3 +223,40 @@ def test_w8a8_presets_are_the_searched_configs_and_need_calibration():
     for preset in ("w8a8-static", "w8a8-smooth"):
         with pytest.raises(ValueError, match="calibration"):
             ffl_backend.quantize(tiny_model("llama"), preset)
+
+
+@pytest.mark.parametrize("preset", ["w8a8-smooth", "w8a8-static"])
+def test_optimize_takes_calibration_data_for_the_presets_that_need_it(preset):
+    """optimize(model, quant=preset, calibration_data=...) quantizes as quantize() does with that data
+    (the same codes and scales) and then generates; without the data it fails before any work, as
+    quantize() does; calibration data without a quant is a mistake said at once."""
+    model, twin = tiny_model("llama"), tiny_model("llama")
+    calib = _calib()
+    ffl_backend.optimize(model, quant=preset, calibration_data=calib, max_seq_len=32, mode="default")
+    ffl_backend.quantize(twin, preset, calibration_data=calib)
+    ours, theirs = dict(model.named_buffers()), dict(twin.named_buffers())
+    quantized = [n for n in ours if n.endswith("qweight")]
+    assert quantized and all(torch.equal(ours[n], theirs[n]) for n in quantized)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.inference_mode():
+        assert model.generate(ids, max_new_tokens=3, do_sample=False).shape == (1, 7)
+    with pytest.raises(ValueError, match="calibration"):
+        ffl_backend.optimize(tiny_model("llama"), quant=preset)
+    with pytest.raises(ValueError, match="calibration_data is for quantization"):
+        ffl_backend.optimize(tiny_model("llama"), calibration_data=calib)
+
+
+def test_plain_w8a8_without_calibration_says_once_which_preset_loses_less(caplog):
+    from ffl_backend.quant import handlers
+
+    handlers._hint_plain_w8a8.cache_clear()
+    caplog.set_level(logging.WARNING, logger="ffl_backend")
+    for _ in range(2):
+        ffl_backend.quantize(tiny_model("llama"), "w8a8")
+    hints = [r.getMessage() for r in caplog.records if "w8a8-smooth" in r.getMessage()]
+    assert hints == [handlers.PLAIN_W8A8_HINT] and "%%" not in hints[0]
+    caplog.clear()
+    ffl_backend.quantize(tiny_model("llama"), "w8a8-smooth", calibration_data=_calib())
+    handlers._hint_plain_w8a8.cache_clear()
+    ffl_backend.quantize(tiny_model("llama"), "w8a8", calibration_data=_calib())
+    assert not [r for r in caplog.records if "w8a8-smooth" in r.getMessage()]
