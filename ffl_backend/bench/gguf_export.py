@@ -12,6 +12,9 @@ four norms per layer (q/k norms, post-attention, pre/post-feedforward), each sto
 llama.cpp multiplies by the weight where Hugging Face's Gemma multiplies by 1 + w; NeoX RoPE, so Q/K
 rows keep their order; an SPM-style vocabulary (`llama` tokenizer model); llama.cpp hard-codes its
 sliding-window layout (every sixth layer global, local RoPE base 10000), so other layouts are refused.
+RoPE is plain, or for LLaMA also Llama-3's frequency scaling (rope_type "llama3", Llama-3.1/3.2): llama.cpp
+has no metadata key for it but reads a `rope_freqs.weight` tensor (F32, head_dim / 2 values) by which it
+divides each rotary frequency (llama3_rope_factors); other scalings are refused.
 
 Types (GGUF_TYPES): norms and biases are always F32, as llama.cpp keeps them.
     F16   every matrix F16 (bfloat16/float16 rows; bf16 -> f16 rounds no SmolLM2-135M weight, checked).
@@ -24,6 +27,9 @@ Types (GGUF_TYPES): norms and biases are always F32, as llama.cpp keeps them.
           makes of our F16 file.
 A matrix whose rows are not a multiple of the 32-value block is written F16 (llama-quantize refuses it).
 
+The file is written one tensor at a time (tensor infos from the safetensors headers first, then each
+tensor read, converted and written): a model larger than the memory left beside it still exports.
+
 Files are cached under $FFL_CACHE_DIR/gguf/ (paths.cache_dir), keyed by the folder's config,
 the sizes and mtimes of its weight and tokenizer files, the type and EXPORT_VERSION.
 """
@@ -31,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 from pathlib import Path
 
@@ -76,8 +83,11 @@ def unsupported(folder: str | os.PathLike) -> str | None:
         return "GGUF export writes no bias tensors but Qwen2's q/k/v ones"
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     ropes = rope.values() if model_type == "gemma3_text" else [rope]
-    if any(r.get("rope_type", r.get("type", "default")) != "default" for r in ropes):
-        return "GGUF export supports plain RoPE only"
+    allowed = ("default", "llama3") if model_type == "llama" else ("default",)
+    if any(r.get("rope_type", r.get("type", "default")) not in allowed for r in ropes):
+        return "GGUF export supports plain RoPE, and Llama-3 RoPE scaling for LLaMA, only"
+    if any(r.get("partial_rotary_factor", 1.0) != 1.0 for r in ropes):
+        return "GGUF export rotates whole heads (partial_rotary_factor must be 1)"
     if model_type == "gemma3_text" and (issue := _gemma3_layout_issue(config)):
         return issue
     if model_type == "qwen2" and (issue := _qwen2_layout_issue(config)):
@@ -142,6 +152,7 @@ def export(folder: str | os.PathLike, gguf_type: str, cache_dir: str | os.PathLi
 def write_gguf(folder: str | os.PathLike, gguf_type: str, path: str | os.PathLike) -> None:
     """Write `folder` (a Hugging Face LLaMA, Qwen2 or Gemma-3 folder) as a GGUF file of `gguf_type` at `path`."""
     import gguf
+    import numpy as np
     from transformers import AutoConfig
 
     if gguf_type not in GGUF_TYPES:
@@ -156,12 +167,17 @@ def write_gguf(folder: str | os.PathLike, gguf_type: str, path: str | os.PathLik
         _add_spm_vocab(writer, Path(folder), config)
     else:
         _add_vocab(writer, Path(folder), config)
-    for name, array in _tensors(Path(folder), config):
-        data, qtype = _encode(name, array, gguf_type)
-        writer.add_tensor(name, data, raw_dtype=qtype)
+    # One tensor in memory at a time: every tensor's info (name, shape, type, bytes) goes into the header
+    # first, from the safetensors headers alone; then each tensor is read, converted and written in turn.
+    plan = list(_tensors(Path(folder), config))
+    for name, shape, _ in plan:
+        qtype = gguf.GGMLQuantizationType[tensor_type(name, shape, gguf_type)]
+        writer.add_tensor_info(name, shape, np.float32, _nbytes(shape, qtype), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
+    writer.write_ti_data_to_file()
+    for name, _, load in plan:
+        writer.write_tensor_data(_encode(name, load(), gguf_type)[0])
     writer.close()
 
 
@@ -257,15 +273,19 @@ def _pre_tokenizer(spec: dict) -> str:
 
 
 def _tensors(folder: Path, config):
-    """(llama.cpp name, float32 array) of every weight: for `llama` Q and K rows reordered for llama.cpp's
-    RoPE (qwen2 and gemma3 rotate as HF does), for Gemma-3 norms as 1 + w; the output head is left out
-    when tied to the embedding (llama.cpp then reads token_embd)."""
+    """(llama.cpp name, HF shape, load) of every tensor to write, in file order; load() reads it as a
+    float32 array: for `llama` Q and K rows reordered for llama.cpp's RoPE (qwen2 and gemma3 rotate as HF
+    does), for Gemma-3 norms as 1 + w. The output head is left out when tied to the embedding (llama.cpp
+    then reads token_embd). Llama-3 RoPE scaling adds rope_freqs.weight first (as llama.cpp's converter)."""
     from safetensors import safe_open
 
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors weights in {folder}")
-    gemma = config.model_type == "gemma3_text"
+    rope = _rope(config)
+    if rope.get("rope_type", "default") == "llama3":
+        factors = llama3_rope_factors(rope, _head_dim(config))
+        yield "rope_freqs.weight", factors.shape, lambda: factors
     heads = {"attn_q": config.num_attention_heads, "attn_k": config.num_key_value_heads}
     heads = heads if config.model_type == "llama" else {}
     for file in files:
@@ -276,13 +296,51 @@ def _tensors(folder: Path, config):
                     raise ValueError(f"{file.name}: no llama.cpp name for tensor {hf_name!r}")
                 if name == "output.weight" and config.tie_word_embeddings:
                     continue
-                array = fh.get_tensor(hf_name).float().numpy()
                 kind = name.split(".")[-2]
-                if kind in heads:
-                    array = array[rotary_row_order(heads[kind], _head_dim(config))]
-                if gemma and kind.endswith("norm"):
-                    array = array + 1.0
-                yield name, array
+                order = rotary_row_order(heads[kind], _head_dim(config)) if kind in heads else None
+                plus_one = config.model_type == "gemma3_text" and kind.endswith("norm")
+                yield name, tuple(fh.get_slice(hf_name).get_shape()), _loader(file, hf_name, order, plus_one)
+
+
+def _loader(file: Path, hf_name: str, order, plus_one: bool):
+    """A function reading one safetensors tensor as float32, rows reordered by `order`, plus 1 if asked."""
+    def load():
+        from safetensors import safe_open
+
+        with safe_open(file, framework="pt") as fh:
+            array = fh.get_tensor(hf_name).float().numpy()
+        if order is not None:
+            array = array[order]
+        return array + 1.0 if plus_one else array
+    return load
+
+
+def _rope(config) -> dict:
+    """The RoPE parameters llama.cpp's full-attention layers use (transformers' rope_parameters)."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    return rope.get("full_attention", rope)
+
+
+def llama3_rope_factors(rope: dict, head_dim: int):
+    """Llama-3's RoPE scaling as llama.cpp applies it: one divisor per rotary frequency (head_dim / 2,
+    float32), the `rope_freqs.weight` tensor.
+
+    Hugging Face scales the inverse frequency f_i = theta ** (-2i / head_dim) by its wavelength
+    w_i = 2 pi / f_i against L = original_max_position_embeddings: kept where w_i < L / high_freq_factor,
+    divided by `factor` where w_i > L / low_freq_factor, and in between
+    f_i * ((1 - s) / factor + s) with s = (L / w_i - low_freq_factor) / (high_freq_factor - low_freq_factor).
+    llama.cpp divides f_i by the tensor's value, so the value is 1 / (what f_i is multiplied by)."""
+    import numpy as np
+
+    theta, factor = float(rope["rope_theta"]), float(rope["factor"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    context = float(rope["original_max_position_embeddings"])
+    freqs = theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / freqs
+    smooth = (context / wavelen - low) / (high - low) if high != low else np.zeros_like(wavelen)
+    scale = np.where(wavelen < context / high, 1.0,
+                     np.where(wavelen > context / low, 1.0 / factor, (1.0 - smooth) / factor + smooth))
+    return (1.0 / scale).astype(np.float32)
 
 
 def gguf_name(hf_name: str, model_type: str = "llama") -> str | None:
@@ -314,6 +372,14 @@ def tensor_type(name: str, shape: tuple, gguf_type: str) -> str:
         return "F32"
     wanted = "Q8_0" if gguf_type == "Q4_0" and name in ("token_embd.weight", "output.weight") else gguf_type
     return wanted if wanted == "F16" or shape[-1] % BLOCK == 0 else "F16"
+
+
+def _nbytes(shape: tuple, qtype) -> int:
+    """Bytes a tensor of HF `shape` takes in GGML type `qtype`."""
+    import gguf
+
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    return int(math.prod(shape)) // block * size
 
 
 def _encode(name: str, array, gguf_type: str):

@@ -94,12 +94,15 @@ def extra_buffer_types(system_info: str) -> bool:
 
 
 def environment() -> dict:
-    """llama.cpp's versions and build features, for the grid's environment block."""
+    """llama.cpp's versions and build, for the grid's environment block: system_info lists the instruction
+    sets ggml was built for (an AVX2-only build says AVX512 = 0), path where that build was imported from
+    (benchmarks/README.md: one build per folder, picked with PYTHONPATH)."""
     import llama_cpp
 
     info = llama_cpp.llama_print_system_info().decode().strip()
     return {"llama_cpp_python": llama_cpp.__version__, "libllama": llama_cpp.llama_version().decode(),
-            "system_info": info, "extra_buffer_types": extra_buffer_types(info)}
+            "system_info": info, "path": os.path.dirname(os.path.abspath(llama_cpp.__file__)),
+            "extra_buffer_types": extra_buffer_types(info)}
 
 
 def load(path: str, threads: int, n_ctx: int):

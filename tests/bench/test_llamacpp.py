@@ -16,6 +16,12 @@ from tests.tiny_models import perturb_vectors
 
 SEED, INIT = 22, 0.3  # a tiny model whose greedy logits keep their top two apart (checked where it matters)
 QWEN2_SEED = 29  # the same for the tiny Qwen2
+LLAMA3_SEED = 28  # the same for the tiny LLaMA with Llama-3 RoPE scaling
+# Llama-3 RoPE scaling over a 16-position original context (head_dim 16: wavelengths 6.3, 20, 63, ...): one
+# frequency kept (wavelength < 16 / 2), one smoothed, six divided by 8 (wavelength > 16 / 0.5); the prompt
+# and its 16 new tokens run to position 31, twice the original context.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 0.5,
+               "high_freq_factor": 2.0, "original_max_position_embeddings": 16}
 PROMPT = list(range(3, 19))
 NEW = 16
 HAVE_LLAMA_CPP = llamacpp.import_error() is None
@@ -38,17 +44,17 @@ def _bpe_tokenizer(folder):
                             eos_token="</s>").save_pretrained(folder)
 
 
-def _tiny_saved(folder, config_cls, seed: int, tied: bool):
-    """A tiny random model of `config_cls`, fp32, saved with a BPE tokenizer; weights at std INIT (not
-    0.02) so the logits spread and greedy decoding moves between tokens; norms and biases (Qwen2's
-    q/k/v, zero at init) perturbed so a dropped or misplaced one shows."""
+def _tiny_saved(folder, config_cls, seed: int, tied: bool, **extra):
+    """A tiny random model of `config_cls` (config keywords `extra` on top), fp32, saved with a BPE
+    tokenizer; weights at std INIT (not 0.02) so the logits spread and greedy decoding moves between
+    tokens; norms and biases (Qwen2's q/k/v, zero at init) perturbed so a dropped or misplaced one shows."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     config = config_cls(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         num_key_value_heads=2, intermediate_size=96, max_position_embeddings=256,
                         initializer_range=INIT, tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2,
-                        pad_token_id=0)
+                        pad_token_id=0, **extra)
     model = perturb_vectors(AutoModelForCausalLM.from_config(config).eval(), 0.1)
     model.save_pretrained(folder)
     _bpe_tokenizer(folder)
@@ -71,6 +77,19 @@ def tied(tmp_path_factory):
 def untied(tmp_path_factory):
     folder = tmp_path_factory.mktemp("untied")
     return folder, _tiny_llama(folder, tied=False)
+
+
+def _tiny_llama3(folder):
+    """Tied, as Llama-3.2-1B/3B, with Llama-3 RoPE scaling (LLAMA3_ROPE)."""
+    from transformers import LlamaConfig
+
+    return _tiny_saved(folder, LlamaConfig, LLAMA3_SEED, tied=True, rope_parameters=dict(LLAMA3_ROPE))
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("llama3")
+    return folder, _tiny_llama3(folder)
 
 
 def _tiny_qwen2(folder):
@@ -279,6 +298,67 @@ def test_qwen2_layouts_llama_cpp_lacks_are_refused(qwen2, tmp_path):
         assert reason in gguf_export.unsupported(tmp_path), change
 
 
+def _plain_rope_inv_freq(head_dim: int = 16, theta: float = 10000.0):
+    return theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+
+@pytest.mark.parametrize("kind", gguf_export.GGUF_TYPES)
+def test_llama3_rope_scaling_is_written_as_rope_freqs(llama3, tmp_path, kind):
+    """Llama-3 RoPE scaling: a rope_freqs.weight tensor (F32, head_dim / 2) by which llama.cpp divides each
+    rotary frequency, equal to HF's plain / scaled inverse frequencies: 1 kept, 1 smoothed, 6 divided by
+    the factor. No other tensor or shape changes."""
+    folder, model = llama3
+    assert gguf_export.unsupported(folder) is None
+    reader, tensors = _reader(gguf_export.export(folder, kind, tmp_path))
+    freqs = tensors["rope_freqs.weight"]
+    assert freqs.tensor_type.name == "F32" and tuple(freqs.shape) == (8,)
+    want = (_plain_rope_inv_freq() / model.model.rotary_emb.inv_freq.double()).numpy()
+    np.testing.assert_allclose(np.asarray(freqs.data), want, rtol=1e-6)
+    assert want[0] == 1.0 and 1.0 < want[1] < 8.0 and np.allclose(want[2:], 8.0)
+    hf = {gguf_export.gguf_name(n): p for n, p in model.state_dict().items()}
+    assert set(tensors) - {"rope_freqs.weight"} == set(hf) - {"output.weight"}  # tied: no output head
+    _assert_tiny_header(reader, "llama", kind)
+
+
+def test_llama3_rope_factors_follow_hf_at_llama_3_2_scale():
+    """Llama-3.2's own parameters (theta 500000, factor 32, 8192 original positions, head_dim 128)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    config = LlamaConfig(vocab_size=32, hidden_size=512, num_hidden_layers=1, num_attention_heads=4,
+                         intermediate_size=8, max_position_embeddings=131072, rope_parameters=dict(rope))
+    scaled = LlamaForCausalLM(config).model.rotary_emb.inv_freq.double()
+    factors = gguf_export.llama3_rope_factors(rope, 128)
+    assert factors.dtype == np.float32 and factors.shape == (64,)
+    np.testing.assert_allclose(factors, (_plain_rope_inv_freq(128, 500000.0) / scaled).numpy(), rtol=1e-6)
+
+
+def test_other_rope_scalings_are_refused(llama3, qwen2, tmp_path):
+    """Llama-3 scaling for LLaMA only (llama.cpp's qwen2 reads no rope_freqs); linear / YaRN / partial
+    rotary not at all."""
+    for (folder, _), change, reason in (
+            (llama3, {"rope_type": "linear", "factor": 2.0}, "plain RoPE"),
+            (llama3, {"rope_type": "yarn"}, "plain RoPE"),
+            (llama3, {"partial_rotary_factor": 0.5}, "whole heads"),
+            (qwen2, LLAMA3_ROPE, "plain RoPE")):
+        (tmp_path / "tokenizer.json").write_text((folder / "tokenizer.json").read_text())
+        config = json.loads((folder / "config.json").read_text())
+        rope = {**config["rope_parameters"], **change}
+        (tmp_path / "config.json").write_text(json.dumps({**config, "rope_parameters": rope}))
+        assert reason in gguf_export.unsupported(tmp_path), change
+
+
+def test_llama3_rope_scaling_changes_the_greedy_tokens(llama3):
+    """So the greedy comparison below would catch a missing or wrong rope_freqs tensor."""
+    _, model = llama3
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        plain.model.rotary_emb.inv_freq.copy_(_plain_rope_inv_freq())
+    ref, plain_tokens = _hf_greedy(model)[0], _hf_greedy(plain)[0]
+    assert sum(a == b for a, b in zip(ref, plain_tokens)) <= 2, (ref, plain_tokens)
+
+
 def _tiny_gemma3(folder):
     """A tiny random Gemma-3: six layers (the sixth global), a window of 8 that a 16-token prompt
     overruns, one KV head, q/k norms, every norm perturbed (they are written as 1 + w)."""
@@ -338,7 +418,7 @@ def _hf_greedy(model):
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("fixture", ["tied", "qwen2"])
+@pytest.mark.parametrize("fixture", ["tied", "qwen2", "llama3"])
 def test_llama_cpp_greedy_tokens_follow_hf_eager(fixture, request, tmp_path):
     """F16: every token equal. Q8_0: fed eager's tokens (so one early difference cannot carry
     forward), its next-token choice agrees at most positions. Q4_0 runs."""
@@ -452,6 +532,8 @@ def test_llamacpp_rows_end_to_end(tied, tmp_path):
     assert rows["llamacppnone"]["runtime_rss_mb"] < rows["eagernone"]["runtime_rss_mb"]
     info = grid["environment"]["llama_cpp"]
     assert info["llama_cpp_python"] and "CPU" in info["system_info"]
+    import llama_cpp
+    assert info["path"] == os.path.dirname(os.path.abspath(llama_cpp.__file__))  # which build ran
     assert "*llamacpp* rows" in out.with_suffix(".md").read_text()
     assert "gguf_type" in out.with_suffix(".csv").read_text().splitlines()[0]
 
