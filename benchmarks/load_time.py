@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -161,13 +160,10 @@ def main() -> None:
     args.checkpoint = Path(args.checkpoint).expanduser()
     row = make(args) if args.what == "make" else load(args)
     if args.out:
-        from ffl_backend.bench.grid import environment
+        from ffl_backend.bench.outputs import write_script_results
 
-        out = ROOT / "benchmarks" / "results" / f"{args.out}.json"
-        out.write_text(json.dumps({"environment": environment(), "command": "python benchmarks/load_time.py "
-                                   + " ".join(sys.argv[1:]), "results": row}, indent=1))
-        print(f"wrote {out}")
-
+        write_script_results(ROOT / "benchmarks" / "results" / f"{args.out}.json", "benchmarks/load_time.py",
+                             results=row)
 
 if __name__ == "__main__":
     main()

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import statistics
 import subprocess
 import sys
@@ -198,7 +197,7 @@ def main() -> None:
     parser.add_argument("--busy", action="store_true", help="run one CPU-bound process beside it")
     parser.add_argument("--reference", action="store_true", help="also time the pure-torch reference, once")
     args = parser.parse_args()
-    from ffl_backend.bench.grid import environment
+    from ffl_backend.bench.outputs import write_script_results
 
     busy = _busy_process() if args.busy else None
     try:
@@ -210,12 +209,9 @@ def main() -> None:
         if busy is not None:
             busy.kill()
             busy.wait()
-    out = ROOT / "benchmarks" / "results" / f"{args.out}.json"
-    out.write_text(json.dumps({"environment": environment(), "command": "python benchmarks/quantize_time.py "
-                               + " ".join(sys.argv[1:]), "dtype": "bfloat16", "busy_process_beside": args.busy,
-                               **({"model": args.model} if args.model else {}), "results": results}, indent=1))
-    print(f"wrote {out}")
-
+    write_script_results(ROOT / "benchmarks" / "results" / f"{args.out}.json", "benchmarks/quantize_time.py",
+                         dtype="bfloat16", busy_process_beside=args.busy,
+                         **({"model": args.model} if args.model else {}), results=results)
 
 if __name__ == "__main__":
     main()

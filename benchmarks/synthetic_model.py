@@ -18,8 +18,8 @@ pads its token list with placeholders to match). The printed line says which.
 
 RoPE: Llama-3.x publish rope_type "llama3" (factor 32 for 3.2-3B, 8 for 3.1-8B; low/high frequency
 factors 1 and 4; original context 8192), which transformers 5 reads from `rope_parameters` and this
-script writes by default. `--rope default` writes plain RoPE of the same base instead: what
-ffl_backend's GGUF export (the llama.cpp rows) supports today. The weights do not depend on it:
+script writes by default (the GGUF export for the llama.cpp rows writes it as llama.cpp's rope_freqs
+tensor). `--rope default` writes plain RoPE of the same base instead. The weights do not depend on it:
 `--config-only` rewrites config.json of a folder already built.
 
 Memory: the model is built on the meta device and its weights are drawn and written one shard (~2 GB)

@@ -246,3 +246,16 @@ def write_all(grid: dict, out: str) -> list[str]:
     for writer, path in zip((write_json, write_csv, write_png, write_markdown), paths):
         writer(grid, path)
     return paths
+
+
+def write_script_results(path, script: str, **payload) -> None:
+    """A benchmark script's results file: `payload` after the machine and versions (grid.environment)
+    and the command line that ran (`script` and this process's arguments)."""
+    import sys
+    from pathlib import Path
+
+    from .grid import environment
+
+    head = {"environment": environment(), "command": " ".join(["python", script, *sys.argv[1:]])}
+    Path(path).write_text(json.dumps({**head, **payload}, indent=1))
+    print(f"wrote {path}")

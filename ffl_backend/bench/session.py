@@ -107,6 +107,25 @@ def weight_bytes(model) -> int:
     return total
 
 
+
+def held_tensor_bytes(model) -> int:
+    """Bytes of every distinct tensor `model` holds in host memory -- parameters, buffers, and tensors
+    quantized modules keep as plain attributes (CPU forms) -- as the union of their byte ranges (views
+    of one storage, tied weights: once). What memory measurements put against peak RSS."""
+    import torch
+
+    ranges = []
+    for module in model.modules():
+        for t in [*module._parameters.values(), *module._buffers.values(),
+                  *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]:
+            if t is not None and t.device.type == "cpu" and t.numel() > 1 and t.stride() != (0,) * t.dim():
+                ranges.append((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+    total, end = 0, 0
+    for a, b in sorted(ranges):
+        if b > end:
+            total, end = total + b - max(a, end), b
+    return total
+
 def _frames_recompiled() -> int:
     """Compiles beyond the first of each code object, whatever the backend (Dynamo's own count)."""
     from torch._dynamo import convert_frame

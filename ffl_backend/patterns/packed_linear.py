@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from ..kernels.packed_linear import can_pack, prepack
 from . import fx_utils as U
@@ -32,7 +33,9 @@ def packed_linear_pass(gm: fx.GraphModule, ctx) -> int:
         if b_node is not None and not isinstance(_weight_tensor(b_node, ctx), torch.Tensor):
             ctx.decline("packed_linear", node, "bias is not a parameter")
             continue
-        rows = 1 if xv.dim() < 2 else int(xv.numel() // max(1, xv.shape[-1]))
+        # A dynamic row count (a prompt's sequence dim) packs for the traced example's rows: reading it
+        # through a hint adds no guard, where int() would specialize the graph to that one length.
+        rows = 1 if xv.dim() < 2 else optimization_hint(xv.numel() // max(1, xv.shape[-1]), fallback=16)
         prepack(w, rows)
         new = U.copy_meta(U.call_op(graph, torch.ops.fastflow.packed_linear.default, (x, w_node, b_node), node), node)
         node.replace_all_uses_with(new)

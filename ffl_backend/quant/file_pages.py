@@ -12,9 +12,18 @@ elsewhere nothing changes.
 
 Until that copy, every weight quantization has read is resident too: the whole checkpoint by the
 last layer, on top of the new int8 tables (the peak: docs/performance.md#quantization-memory-and-fitting).
-`page_out` hands a replaced weight's pages back to the kernel as soon as its layer is done
-(MADV_PAGEOUT: a hint that never changes contents -- a page read again comes back from the file, a page
-written since loading is kept), so at most a layer's worth of the file is resident at a time.
+`release_pages` takes a replaced weight's pages out of RSS as soon as its layer is done, and
+`by_row_blocks` a large weight's (a 128k-vocabulary embedding) block by block while it is quantized, so
+at most a layer's worth of the file is resident at a time. Neither changes what the tensor reads: pages
+no one wrote are unmapped (MADV_DONTNEED; they stay in the page cache for the next load, dirty ones of a
+file just written too), a tensor with written pages is paged out (`page_out`, MADV_PAGEOUT: a hint that
+keeps written pages; it also evicts the file's pages from the page cache, and cannot take pages not yet
+written back to disk).
+
+Horizontal fusion's shared storage (weight_layout.share_fused_storage) reads q/k/v and gate/up out of
+the mapping into one new tensor per group; the mapping lives on (o_proj, down_proj, the embedding are
+still in it), and so would every page the copy read: the checkpoint's largest half resident twice (3B
+bf16: 3.7 GB). `release_pages` takes those pages out of RSS group by group as they are copied.
 
 Loading a saved quantized checkpoint maps its file too (quant/serialization.py); there the pages a
 module's CPU form was made from are `drop_pages`d -- unmapped from this process, kept in the page cache
@@ -28,6 +37,7 @@ import logging
 import os
 import sys
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -88,15 +98,83 @@ def page_out(t: torch.Tensor, ranges=None, advice: int = MADV_PAGEOUT) -> int:
     madvise = _libc("madvise", [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int)
     if madvise is None or not t.is_contiguous() or not _in_mapping(t, ranges):
         return 0
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = -(-t.data_ptr() // page) * page
-    end = (t.data_ptr() + t.numel() * t.element_size()) // page * page
+    start, end = _page_span(t)
     if end <= start:
         return 0
     if madvise(start, end - start, advice) != 0:
         logger.debug("madvise(%d) failed: errno %d", advice, ctypes.get_errno())
         return 0
     return end - start
+
+
+def _page_span(t: torch.Tensor) -> tuple[int, int]:
+    """[start, end) of the whole pages inside contiguous `t`'s bytes (empty where there are none)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = -(-t.data_ptr() // page) * page
+    return start, max(start, (t.data_ptr() + t.numel() * t.element_size()) // page * page)
+
+
+PAGEMAP_PRESENT, PAGEMAP_SWAPPED, PAGEMAP_FILE = 1 << 63, 1 << 62, 1 << 61
+
+
+def written_pages(t: torch.Tensor) -> int | None:
+    """How many of the whole pages under contiguous `t` hold this process's own data rather than the
+    file's: in a private file mapping a page written since mapping is an anonymous copy (present or
+    swapped without /proc/self/pagemap's file bit); a page read only is the page cache's. None where
+    the page map cannot be read (not Linux, no /proc)."""
+    start, end = _page_span(t)
+    page = os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/self/pagemap", "rb") as fh:
+            fh.seek(start // page * 8)
+            raw = fh.read((end - start) // page * 8)
+    except OSError:
+        return None
+    entries = np.frombuffer(raw, dtype=np.uint64)
+    own = ((entries & np.uint64(PAGEMAP_PRESENT | PAGEMAP_SWAPPED)) != 0) & ((entries & np.uint64(PAGEMAP_FILE)) == 0)
+    return int(own.sum())
+
+
+def release_pages(t: torch.Tensor, ranges=None) -> int:
+    """Take the pages under `t`, a view of a file mapping whose values now live elsewhere (fused into
+    another tensor), out of this process's RSS without changing what `t` reads: unmapped
+    (MADV_DONTNEED: they stay in the page cache for the next load) when none was written since
+    mapping -- a later read of `t` then maps the file's identical pages again --, else paged out
+    (MADV_PAGEOUT keeps written pages). Returns the bytes advised (0: not a mapped tensor)."""
+    ranges = file_mappings() if ranges is None else ranges
+    if not t.is_contiguous() or not _in_mapping(t, ranges):
+        return 0
+    return page_out(t, ranges, MADV_DONTNEED if written_pages(t) == 0 else MADV_PAGEOUT)
+
+
+ROW_BLOCK_BYTES = 16 << 20  # by_row_blocks: the most of a mapped weight resident at once while quantized
+
+
+@torch.no_grad()
+def by_row_blocks(fn, t: torch.Tensor, *args, **kwargs):
+    """`fn(t, *args, **kwargs)` for a row-separable quantizer `fn` (each output row made from the same
+    input row alone; its outputs: tensors with t's rows on dim 0). Where `t` is a file mapping's view
+    larger than ROW_BLOCK_BYTES, run on blocks of rows, each block's pages released once quantized
+    (`release_pages`), the results written into tensors made for all rows: the source is never resident
+    whole (a tied 128k-vocabulary embedding is 0.8 GB of bf16 beside its 0.4 GB of int8). Results
+    are those of one call (rows are independent); elsewhere one call."""
+    if t.dim() != 2 or not t.is_contiguous() or t.numel() * t.element_size() <= ROW_BLOCK_BYTES:
+        return fn(t, *args, **kwargs)
+    ranges = file_mappings()
+    if not _in_mapping(t, ranges):
+        return fn(t, *args, **kwargs)
+    rows = max(16, ROW_BLOCK_BYTES // (t.shape[1] * t.element_size()) // 16 * 16)
+    outs = None
+    for start in range(0, t.shape[0], rows):
+        block = t[start:start + rows]
+        part = fn(block, *args, **kwargs)
+        if outs is None:
+            outs = tuple(p.new_empty((t.shape[0], *p.shape[1:])) for p in part)
+        for out, p in zip(outs, part):
+            out[start:start + rows] = p
+        del part
+        release_pages(block, ranges)
+    return outs
 
 
 def drop_pages(t: torch.Tensor, ranges=None) -> int:

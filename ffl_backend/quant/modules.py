@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from .. import numerics as P
 from ..kernels import cpu_quantize as Q
 from ..kernels import quant_linear as K
+from .file_pages import by_row_blocks
 from .int4_fit import quantize_int4_fitted
 from .schemes import QuantConfig
 
@@ -96,7 +97,7 @@ class Int8Linear(QuantizedLinear):
         """quantized: precomputed (q int8 (N, K), scale (N,)), e.g. from GPTQ; default round-to-nearest."""
         w = linear.weight.detach()
         m = cls(linear.in_features, linear.out_features, w.dtype, linear.bias is not None, "meta")
-        m.qweight, m.scale = quantized if quantized is not None else Q.quantize_int8(w)
+        m.qweight, m.scale = quantized if quantized is not None else by_row_blocks(Q.quantize_int8, w)
         m._set_bias(linear)
         return m.finalize()
 
@@ -149,10 +150,10 @@ class Int4Linear(QuantizedLinear):
             q, m.scale, m.zero = quantized
             m.qweight = P.pack_int4(q)
         elif config.fits_grid:  # packed by the quantizer, in the same pass
-            m.qweight, m.scale, m.zero = quantize_int4_fitted(w, group, config.is_symmetric, importance=importance,
-                                                              packed=True)
+            m.qweight, m.scale, m.zero = by_row_blocks(quantize_int4_fitted, w, group, config.is_symmetric,
+                                                       importance=importance, packed=True)
         else:
-            m.qweight, m.scale, m.zero = Q.quantize_int4(w, group, config.is_symmetric, packed=True)
+            m.qweight, m.scale, m.zero = by_row_blocks(Q.quantize_int4, w, group, config.is_symmetric, packed=True)
         if m.scale.shape != (linear.out_features, linear.in_features // group):
             raise ValueError(f"int4 scale shape {tuple(m.scale.shape)} does not match group size {group}")
         m._set_bias(linear)
@@ -373,7 +374,7 @@ class Int8Embedding(QuantizedModule):
     def from_embedding(cls, embedding: nn.Embedding) -> "Int8Embedding":
         w = embedding.weight.detach()
         m = cls(w.shape[0], w.shape[1], w.dtype, "meta")
-        m.qweight, m.scale = Q.quantize_int8(w)
+        m.qweight, m.scale = by_row_blocks(Q.quantize_int8, w)
         return m.finalize()
 
     @classmethod

@@ -8,13 +8,13 @@ import torch
 from torch import nn
 
 from .. import progress
-from .file_pages import copy_out_of_file_mappings, file_mappings, page_out, release_free_heap
+from .file_pages import copy_out_of_file_mappings, file_mappings, release_free_heap, release_pages
 from .handlers import embedding_schemes, handler_for
 from .mixed import mixed_config
-from .modules import QuantizedModule
+from .modules import Int4Linear, QuantizedModule
 from .schemes import QuantConfig, resolve_steps, select_linears
 from .tensor_parallel import carry_hooks, localize
-from .weight_layout import share_sibling_packs
+from .weight_layout import completed_group, share_sibling_group, share_sibling_packs
 
 logger = logging.getLogger("ffl_backend")
 
@@ -131,8 +131,12 @@ def _quantize_step(model: nn.Module, cfg: QuantConfig, calibration_data, phase: 
             linear = targets.pop(name)  # drop our reference so the high-precision weight can be freed
             by_weight[id(linear.weight)] = handler.quantize(linear, cfg, **extra.get(name, {}))
             _set_module(model, name, by_weight[id(linear.weight)])
-            page_out(linear.weight, mappings)  # a checkpoint's pages it read: not needed any more
+            release_pages(linear.weight, mappings)  # a checkpoint's pages it read: not needed any more
             del linear
+            # q/k/v (gate/up) complete: their int4 CPU forms become slices of one tensor now, the old
+            # forms freed (and trimmed below) before the next layer's exist -- not all at the end
+            if (group := completed_group(model, name, Int4Linear)) is not None:
+                share_sibling_group(group)
             # The quantizing temporaries of a large layer can land in glibc's heap (its mmap threshold
             # rises after large frees) and stay there as RSS, on a 1.7B model enough by the last layer to
             # make the peak (docs/quantization.md, peak RSS). Trimming as we go keeps the peak at the weights.

@@ -13,6 +13,7 @@ import torch
 
 from .. import numerics as P
 from ..kernels.quant_linear import int4_cpu_pack
+from .file_pages import file_mappings, release_pages
 from .modules import Int4Linear, QuantizedModule
 
 # Sibling projections HF models keep separate; fused when they read the same input.
@@ -44,27 +45,44 @@ def shared_base(tensors):
 
 
 @torch.no_grad()
-def _share_params(params) -> None:
-    fused = torch.cat([p.detach() for p in params], dim=0)
+def _share_params(params, ranges) -> None:
+    """Re-point `params` to consecutive slices of their concatenation. The fused tensor is the one
+    copy: where the originals were views of a file mapping (from_pretrained's safetensors), the pages
+    the copy just read leave RSS at once (`file_pages.release_pages`), so at most one group is
+    resident twice, never the model."""
+    originals = [p.detach() for p in params]
+    fused = torch.cat(originals, dim=0)
     start = 0
     for p in params:
         p.data = fused[start:start + p.shape[0]]
         start += p.shape[0]
+    if ranges:
+        for t in originals:
+            release_pages(t, ranges)
 
 
 @torch.no_grad()
 def share_fused_storage(model: torch.nn.Module) -> int:
     """Re-point sibling projections (q/k/v, gate/up) to consecutive slices of one tensor, so the
     horizontal pass uses that tensor as the fused weight and copies nothing. Values and parameter
-    objects are unchanged; returns the number of groups shared. Call before compiling."""
+    objects are unchanged; returns the number of groups shared. Call before compiling.
+
+    Memory: the fused tensor replaces the originals (one copy of each weight). A checkpoint's mapped
+    originals are released group by group as they are copied (3B figures:
+    docs/performance.md#memory-one-copy-of-each-weight). `restore()` leaves
+    the layout as it is: the parameters are the same objects with the same values, slices of one
+    tensor, and a model so laid out computes, saves and reloads exactly as before (tests/test_memory.py);
+    un-fusing would only cost a second copy while it runs."""
     groups = 0
+    ranges = None
     for linears in sibling_groups(model, torch.nn.Linear):
         if len({(m.in_features, m.weight.dtype, m.weight.device, m.bias is None) for m in linears}) != 1:
             continue
         if shared_base([m.weight for m in linears]) is None:
-            _share_params([m.weight for m in linears])
+            ranges = file_mappings() if ranges is None else ranges  # read once: fusing maps nothing
+            _share_params([m.weight for m in linears], ranges)
             if linears[0].bias is not None:
-                _share_params([m.bias for m in linears])
+                _share_params([m.bias for m in linears], ranges)
         groups += 1
     return groups
 
@@ -87,27 +105,45 @@ def _packs_concatenate(rows: tuple, in_features: int, group_size: int) -> bool:
     return whole is not None and all(p is not None for p in parts) and torch.equal(torch.cat(parts), whole)
 
 
+def completed_group(model: torch.nn.Module, name: str, kind: type) -> list | None:
+    """The FUSABLE_SIBLINGS group the module called `name` belongs to, when every member is now a
+    `kind` (the last of them just replaced, as quantize() goes linear by linear), else None."""
+    parent_name, _, child = name.rpartition(".")
+    for names in FUSABLE_SIBLINGS:
+        if child in names:
+            parent = model.get_submodule(parent_name) if parent_name else model
+            members = [getattr(parent, n, None) for n in names]
+            return members if all(isinstance(m, kind) for m in members) else None
+    return None
+
+
+@torch.no_grad()
+def share_sibling_group(members: list) -> bool:
+    """`share_sibling_packs` for one group of sibling int4 linears: whether they now share one form."""
+    if any(m.cpu_packed is None for m in members) or len({(m.in_features, m.group_size) for m in members}) != 1:
+        return False
+    packs = [m.cpu_packed for m in members]
+    if len({p.dim() for p in packs}) != 1:
+        return False
+    if shared_base(packs) is None:
+        rows = tuple(m.out_features for m in members)
+        if not _forms_concatenate(packs, rows, members[0].in_features, members[0].group_size):
+            return False
+        _share(members, "cpu_packed")
+    if packs[0].dim() == 3 and shared_base([m.cpu_scale_zeros for m in members]) is None:
+        _share(members, "cpu_scale_zeros")  # fastflow's layout: the tables concatenate as well
+    return True
+
+
 @torch.no_grad()
 def share_sibling_packs(model: torch.nn.Module) -> int:
     """Re-point the CPU forms of sibling int4 linears (q/k/v, gate/up) to consecutive slices of one
     tensor where that tensor is exactly the form of their concatenation, so fusing them later copies
-    nothing. Values and results are unchanged; returns the number of groups sharing one form."""
-    shared = 0
-    for members in sibling_groups(model, Int4Linear):
-        if any(m.cpu_packed is None for m in members) or len({(m.in_features, m.group_size) for m in members}) != 1:
-            continue
-        packs = [m.cpu_packed for m in members]
-        if len({p.dim() for p in packs}) != 1:
-            continue
-        if shared_base(packs) is None:
-            rows = tuple(m.out_features for m in members)
-            if not _forms_concatenate(packs, rows, members[0].in_features, members[0].group_size):
-                continue
-            _share(members, "cpu_packed")
-        if packs[0].dim() == 3 and shared_base([m.cpu_scale_zeros for m in members]) is None:
-            _share(members, "cpu_scale_zeros")  # fastflow's layout: the tables concatenate as well
-        shared += 1
-    return shared
+    nothing. Values and results are unchanged; returns the number of groups sharing one form.
+    quantize() shares each group as soon as its last member is made (`completed_group`): done here
+    at the end, every group's old forms would be freed only after all the new ones exist (3B int4:
+    +0.74 GB at the peak)."""
+    return sum(share_sibling_group(members) for members in sibling_groups(model, Int4Linear))
 
 
 def _share(members: list, name: str) -> None:

@@ -125,9 +125,9 @@ def test_quantize_pages_out_each_replaced_weight(saved_llama, monkeypatch):
     model = AutoModelForCausalLM.from_pretrained(saved_llama, dtype=torch.bfloat16).eval()
     linears = {id(m.weight) for name, m in model.named_modules()
                if isinstance(m, torch.nn.Linear) and name != "lm_head"}
-    paged, real_page_out = [], file_pages.page_out
-    monkeypatch.setattr("ffl_backend.quant.quantizer.page_out",
-                        lambda t, r=None: paged.append(id(t)) or real_page_out(t, r))
+    paged, real_release = [], file_pages.release_pages
+    monkeypatch.setattr("ffl_backend.quant.quantizer.release_pages",
+                        lambda t, r=None: paged.append(id(t)) or real_release(t, r))
     ffl_backend.quantize(model, "int8")
     assert set(paged) == linears
 
@@ -137,9 +137,9 @@ def test_quantize_returns_the_free_heap_after_every_replaced_layer(saved_llama, 
     quantize goes (a 1.7B model's peak grew by ~0.8 GB with one trim at the end), not only at its end."""
     model = AutoModelForCausalLM.from_pretrained(saved_llama, dtype=torch.bfloat16).eval()
     events = []
-    real_page_out = file_pages.page_out
-    monkeypatch.setattr("ffl_backend.quant.quantizer.page_out",
-                        lambda t, r=None: events.append("page_out") or real_page_out(t, r))
+    real_release = file_pages.release_pages
+    monkeypatch.setattr("ffl_backend.quant.quantizer.release_pages",
+                        lambda t, r=None: events.append("page_out") or real_release(t, r))
     monkeypatch.setattr("ffl_backend.quant.quantizer.release_free_heap", lambda: events.append("trim"))
     ffl_backend.quantize(model, "int8")
     layers = events.count("page_out")
