@@ -103,7 +103,7 @@ def _checked_generate(model, generate, max_batch_size: int, max_seq_len: int):
 
 def optimize(model, *, quant=None, calibration_data=None, max_batch_size: int = 1, max_seq_len: int | None = None,
              attention: str | None = "fastflow", mode: str | None = DEFAULT_MODE, decode_loop: bool = True,
-             kv_cache_dtype=None, **backend_options):
+             kv_cache_dtype=None, compile_prefill: bool = False, **backend_options):
     """Patch `model` in place for fast generation and return it (see the module docstring).
 
     quant: what `ffl_backend.quantize` takes ("int8", a config, ...), or None.
@@ -120,6 +120,8 @@ def optimize(model, *, quant=None, calibration_data=None, max_batch_size: int = 
     kv_cache_dtype: None (default: the model's dtype), "int8" or "fp8" (e4m3): the static cache stores
         K and V quantized with one fp32 scale per token and KV head (attention/kv_quant.py), about half
         a bf16 cache; the attention ops dequantize as they read. Needs attention="fastflow".
+    compile_prefill: True: the decode loop's prompts (no padding, 2+ tokens) run compiled too, one graph
+        with a dynamic length for every prompt; False (default): eager prompts (docs/performance.md#compiled-prompts).
     backend_options: options of the fastflow backend (ffl_backend.config.BackendOptions).
 
     Progress: bars on stderr while quantizing and tuning when it is a terminal (FFL_PROGRESS=0 never,
@@ -177,7 +179,8 @@ def optimize(model, *, quant=None, calibration_data=None, max_batch_size: int = 
 
             with phase("autotune"):
                 pretune_linears(model, max_batch_size)
-        generate = DecodeLoop(model, model.generate, max_seq_len, kv_dtype) if decode_loop else model.generate
+        generate = (DecodeLoop(model, model.generate, max_seq_len, kv_dtype, compile_prefill) if decode_loop
+                    else model.generate)
         model.generate = _checked_generate(model, generate, max_batch_size, max_seq_len)
         setattr(model, _STATE, state)
     # the decode loop's caches hold only the window for sliding layers (window_cache.py)

@@ -12,12 +12,18 @@ Guards: Dynamo checks its full guards on the first two decode steps of every gen
 changed model, dtype, batch size or device recompiles or raises as usual); the steps after them skip
 Dynamo's per-call work where that is safe (replay.py; FFL_GUARDED=1 turns that off).
 
+The prompt: one eager forward, or (`compile_prefill`) `prompt_step` compiled with the sequence
+dimension dynamic (2 .. max_seq_len tokens), so one graph serves every prompt length. Padded prompts
+and one-token prompts stay eager: the masked attention path reads its filled length as a number, and
+a dynamic dimension of one token is not one Dynamo keeps dynamic.
+
 Everything else -- beam search, assisted or contrastive decoding, returning scores or a dict, several
 sequences per prompt, inputs_embeds, a cache passed in -- goes to transformers' own loop, with the
 reason logged once per reason.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -80,13 +86,24 @@ def decode_step(model, input_ids, attention_mask, position_ids, cache, keep: dic
     return logits, cpu_argmax_op.greedy_token(logits, cpu_argmax)
 
 
+def prompt_step(model, input_ids, position_ids, cache, keep: dict, cpu_argmax: bool, cache_kw: str = "cache"):
+    """The prompt's forward without padding (no mask: hf_attention.prompt_into_empty_cache), compiled
+    apart from `decode_step`: its own code object keeps its own Dynamo cache entries and recompile limit."""
+    logits = model(input_ids=input_ids, position_ids=position_ids, use_cache=True, **{cache_kw: cache},
+                   **keep).logits[:, -1]
+    return logits, cpu_argmax_op.greedy_token(logits, cpu_argmax)
+
+
 class DecodeLoop:
     """One per optimized model: its static caches (one per batch size) and the compiled step."""
 
-    def __init__(self, model, generate, max_seq_len: int, kv_dtype: torch.dtype | None = None):
+    def __init__(self, model, generate, max_seq_len: int, kv_dtype: torch.dtype | None = None,
+                 compile_prefill: bool = False):
         self.model, self.hf_generate, self.max_seq_len, self.kv_dtype = model, generate, max_seq_len, kv_dtype
+        self.compile_prefill = compile_prefill
         self._caches: dict = {}
         self._steps: dict = {}  # compile config -> compiled decode_step
+        self._prompt_steps: dict = {}  # compile config -> compiled prompt_step
         self._called: set = set()  # the compiled steps called at least once (compiled by then)
         self._may_skip_guards = sum(1 for _ in model.buffers()) <= replay.MAX_BUFFERS_TO_SKIP_GUARDS
         self._keep = {"logits_to_keep": 1} if model._supports_logits_to_keep() else {}
@@ -151,10 +168,20 @@ class DecodeLoop:
                 from .window_cache import use_rolling_windows  # window slots per sliding layer
 
                 use_rolling_windows(cache, self.max_seq_len)
-            self._caches[key] = quantize_layers(cache, self.kv_dtype)
+            self._caches[key] = cache = quantize_layers(cache, self.kv_dtype)
+            if self.compile_prefill:
+                self._allocate(cache, batch, device)
         else:
             cache.reset()
         return cache
+
+    def _allocate(self, cache, batch: int, device) -> None:
+        """Let every layer allocate its tensors now, in an eager one-token forward, then empty the
+        cache: a layer allocates at its first write, which inside a compiled prompt would make the
+        allocation part of the graph (and the next prompt, over allocated layers, a recompile)."""
+        ids = torch.zeros((batch, 1), dtype=torch.long, device=device)
+        self.model(input_ids=ids, position_ids=ids, use_cache=True, **{self._cache_kw: cache}, **self._keep)
+        cache.reset()
 
     def cache_bytes(self) -> int:
         """Bytes of the K/V tensors of every cache allocated so far (quantized rows as stored)."""
@@ -177,10 +204,8 @@ class DecodeLoop:
         cache = self._cache(batch, ids.device)
         if streamer is not None:
             streamer.put(ids.cpu())
-        logits = model(input_ids=ids, attention_mask=attention_mask, position_ids=positions,
-                       use_cache=True, **{self._cache_kw: cache}, **self._keep).logits[:, -1]
         cpu_argmax = cpu_argmax_op.applies(ids)
-        best = cpu_argmax_op.greedy_token(logits, cpu_argmax)
+        logits, best = self._prompt(gc, ids, attention_mask, positions, cache, cpu_argmax)
         inputs = dict(input_ids=ids.new_zeros((batch, 1)), attention_mask=self._decode_mask(ids, attention_mask),
                       position_ids=ids.new_empty((batch, 1)).copy_(positions[:, -1:]),  # fixed strides
                       cache=cache, keep=self._keep, cpu_argmax=cpu_argmax, cache_kw=self._cache_kw)
@@ -227,6 +252,36 @@ class DecodeLoop:
             streamer.end()
         return sequences[:, :length]
 
+    def _prompt(self, gc, ids, attention_mask, positions, cache, cpu_argmax: bool):
+        """The prompt's forward into the emptied `cache`: (last position's logits, their argmax)."""
+        from . import hf_attention as hf
+
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        # (a prompt filling the whole cache would skip hf_attention's slicing of the keys: eager too)
+        step = self._compiled_prompt(gc) if 2 <= ids.shape[1] < self.max_seq_len and not padded else None
+        if step is None:
+            logits = self.model(input_ids=ids, attention_mask=attention_mask, position_ids=positions, use_cache=True,
+                                **{self._cache_kw: cache}, **self._keep).logits[:, -1]
+            return logits, cpu_argmax_op.greedy_token(logits, cpu_argmax)
+        # fresh tensor objects (the caller's are not marked), the length a dynamic dimension: one graph
+        # for every prompt length; where the graph branches on it (a sliding window's min(window, L)),
+        # Dynamo guards the branch and compiles one graph per side
+        ids, positions = ids.detach(), positions.contiguous()
+        for t in (ids, positions):
+            torch._dynamo.maybe_mark_dynamic(t, 1)
+        first = step not in self._called
+        with hf.prompt_into_empty_cache(), self._compiling(first, "prompt", step):
+            return step(self.model, ids, positions, cache, self._keep, cpu_argmax, self._cache_kw)
+
+    def _compiled_prompt(self, gc):
+        """`prompt_step` compiled as the decode step is (its compile_config), or None: eager prompts."""
+        if not self.compile_prefill or gc.disable_compile or gc.compile_config is None:
+            return None
+        key = repr(gc.compile_config.to_dict())
+        if key not in self._prompt_steps:
+            self._prompt_steps[key] = torch.compile(prompt_step, **gc.compile_config.to_dict())
+        return self._prompt_steps[key]
+
     def _compiled_step(self, gc):
         """`decode_step` compiled as generate() would compile the model (its compile_config), or eager."""
         if gc.disable_compile or gc.compile_config is None:
@@ -237,18 +292,26 @@ class DecodeLoop:
         return self._steps[key]
 
     def _first_call(self, steps, step):
-        """Decode step 1 through a step never called before: Dynamo and Inductor compile it now, tens of
-        seconds on a CPU with nothing to count, so a status line on a terminal and the seconds logged."""
+        """Decode step 1 through a step never called before (see `_compiling`)."""
+        with self._compiling(True, "decode", step):
+            return steps(1)
+
+    @contextlib.contextmanager
+    def _compiling(self, first: bool, what: str, step):
+        """Around the first call of a compiled step: Dynamo and Inductor compile it now, tens of seconds
+        on a CPU with nothing to count, so a status line on a terminal and the seconds logged."""
+        if not first:
+            yield
+            return
         from torch._dynamo import convert_frame
 
         before = sum(convert_frame.FRAME_COMPILE_COUNTER.values())
         start = time.perf_counter()
-        with progress.status("fastflow: compiling the decode step (Dynamo + Inductor)"):
-            out = steps(1)
+        with progress.status(f"fastflow: compiling the {what} step (Dynamo + Inductor)"):
+            yield
         self._called.add(step)
         if sum(convert_frame.FRAME_COMPILE_COUNTER.values()) > before:  # (not when Dynamo had it cached)
-            logger.info("fastflow: first generate compiled decode in %.1f s", time.perf_counter() - start)
-        return out
+            logger.info("fastflow: first generate compiled %s in %.1f s", what, time.perf_counter() - start)
 
     def _decode_mask(self, ids, attention_mask):
         """The mask handed to every decode step, updated in place. With fastflow attention: the

@@ -13,7 +13,12 @@ which are left padding. So:
 
 The mask function is transformers' own `sdpa_mask` (boolean, padding folded in). It must be
 registered under the same name: without one, `_preprocess_mask_arguments` returns no mask at all
-and decode would attend to every slot of the cache, written or not.
+and decode would attend to every slot of the cache, written or not. One case it is told about
+(`prompt_into_empty_cache`): the decode loop's prompt without padding, written from slot 0 of a cache
+it has just emptied. transformers skips that mask only when it can read the cache's offset, which a
+compiled prompt cannot (masking_utils._ignore_causal_mask_sdpa: a traced offset is never read), so
+a compiled prompt would build a (B, 1, L, max_seq_len) mask and take the masked path; told, the mask
+function returns None and the prompt runs `attention_prefill` (windows applied by the op) as eager does.
 
 Sliding-window layers: transformers' StaticSlidingWindowLayer rolls the cache, but tracks its length
 in a Python int that Dynamo guards on, so compiled decode recompiles at every token until it hits the
@@ -25,6 +30,7 @@ of the full length (`install`), the window applied by the op and the sliding mas
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -115,14 +121,41 @@ def fastflow_attention(module, query: Tensor, key: Tensor, value: Tensor, attent
 _cpu_kernel = {"built": False}
 
 
+# Read by the traced mask function (a plain dict entry Dynamo guards on); set only around the decode
+# loop's own prompt call, never inside a compiled region.
+_prompt = {"into_empty_cache": False}
+
+
+@contextlib.contextmanager
+def prompt_into_empty_cache():
+    """The calls in this block are prompts without padding written from slot 0 of an emptied cache
+    (module docstring): their causal masks are skipped, as transformers skips them in eager mode."""
+    _prompt["into_empty_cache"] = True
+    try:
+        yield
+    finally:
+        _prompt["into_empty_cache"] = False
+
+
+def fastflow_mask(*args, **kwargs):
+    """transformers' `sdpa_mask`, but no mask for a prompt inside `prompt_into_empty_cache` that HF
+    would let skip it (no padding mask; no or/and mask functions: those clear allow_is_causal_skip)."""
+    from transformers.masking_utils import sdpa_mask
+
+    if (_prompt["into_empty_cache"] and not args and kwargs.get("attention_mask") is None
+            and kwargs.get("allow_is_causal_skip", True)):
+        return None
+    return sdpa_mask(*args, **kwargs)
+
+
 def register() -> None:
     """Make "fastflow" a transformers attention implementation (idempotent, global by name only:
     no model uses it until it is selected for that model)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(NAME, fastflow_attention)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, fastflow_mask)
 
 
 def has_sliding_layers(config) -> bool:
