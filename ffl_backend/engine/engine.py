@@ -266,6 +266,10 @@ class OptimizedInferenceEngine:
         elif kw:
             params = dataclasses.replace(params, **kw)
         params.validate()
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be in [0, {vocab})")
+        params = dataclasses.replace(params, stop_token_ids=frozenset(params.stop_token_ids))
         ids = self.encode(prompt)
         if not ids:
             raise RequestError("empty prompt")

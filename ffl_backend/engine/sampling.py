@@ -18,6 +18,7 @@ from torch import Tensor
 
 MIN_TEMPERATURE = 1e-2
 MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64  # a request's own stop ids; more is a mistake or an attack
 
 
 class RequestError(ValueError):
@@ -38,7 +39,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: none; k: the chosen token's and the k most likely
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] | frozenset = ()  # the engine keeps a frozenset: checked every token
 
     def validate(self) -> "SamplingParams":
         def bad(msg):
@@ -72,6 +73,8 @@ class SamplingParams:
             bad(f"do_sample must be a bool, got {self.do_sample!r}")
         if self.seed is not None and (not integer(self.seed) or not 0 <= self.seed < 2**64):
             bad(f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            bad(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(self.stop_token_ids)}")
         if not all(integer(t) and t >= 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative integers")
         return self

@@ -56,7 +56,7 @@ def error(status: int, message: str, kind: str = "invalid_request_error", header
 async def _failure(request, exc: HTTPFailure):
     request.app.state.ffl.metrics.errors.labels(exc.kind).inc()
     headers = {"Retry-After": "1"} if exc.status == 429 else None
-    if exc.status in (408, 413) or exc.status >= 500:
+    if exc.status in (408, 413, 415) or exc.status >= 500:
         headers = {**(headers or {}), "Connection": "close"}  # the body may be unread
     return error(exc.status, str(exc), exc.kind, headers)
 

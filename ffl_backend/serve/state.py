@@ -79,6 +79,9 @@ class ServerState:
 
     # -- request bodies and text --------------------------------------------------------------
     async def json_body(self, request) -> object:
+        if not is_json_media_type(request.headers.get("content-type")):
+            # text/plain, form encodings: what a web page may POST cross-origin with no CORS preflight
+            raise HTTPFailure(415, "the request body must be JSON: send Content-Type: application/json")
         declared = request.headers.get("content-length")
         raw = await read_body(request.receive, int(declared) if declared and declared.isdigit() else None,
                               self.config.max_body_bytes, self.config.body_timeout_s)
@@ -124,3 +127,10 @@ def _parse_json(raw: bytes):
         raise HTTPFailure(400, "invalid JSON: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError
         raise HTTPFailure(400, f"invalid JSON: {str(exc)[:200]}") from None
+
+
+def is_json_media_type(value: str | None) -> bool:
+    """Whether a Content-Type header names JSON: application/json or application/<x>+json, parameters
+    (charset) allowed."""
+    media = (value or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))

@@ -2,10 +2,11 @@
 
 uvicorn closes idle keep-alive connections but gives a client as long as it likes to finish its
 request headers (a slow client holds a connection and its file descriptor forever), and answers
-malformed requests with a plain-text 400 for every cause. `guarded_protocol` adds a header deadline
-(a 408 JSON reply, then close) and answers protocol errors in JSON with h11's own status hint (431
-for headers past the size cap). `read_body` reads a request body chunk by chunk under a size cap
-and an idle deadline, discarding (a bounded amount of) an oversized body before the 413 so the
+malformed requests with a plain-text 400 for every cause; at its connection cap it answers 503 even
+while idle keep-alive clients hold every slot. `guarded_protocol` closes idle connections first at the
+cap, adds a header deadline (a 408 JSON reply, then close) and answers protocol errors in JSON with
+h11's own status hint (431 for headers past the size cap). `read_body` reads a request body chunk by
+chunk under a size cap and an idle deadline, discarding (a bounded amount of) an oversized body before the 413 so the
 client reads the reply rather than a reset.
 """
 from __future__ import annotations
@@ -57,9 +58,32 @@ class GuardedH11Protocol(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        self._last_active = self.loop.time()
         self._arm_header_timer()
+        self._evict_idle_connections()
+
+    def _idle(self) -> bool:
+        """Between requests (or before the first): nothing received of a next request, no reply owed."""
+        return (self.conn.their_state is h11.IDLE and self.conn.our_state is h11.IDLE
+                and not self.conn.trailing_data[0] and (self.cycle is None or self.cycle.response_complete)
+                and not self.transport.is_closing())
+
+    def _evict_idle_connections(self) -> None:
+        """At the connection cap, close idle connections (longest idle first) so that this one is served:
+        uvicorn would answer its request 503 while idle clients hold every slot. Only idle ones: a
+        connection with a request in progress is never cut."""
+        limit = self.limit_concurrency
+        if limit is None or len(self.connections) < limit:
+            return
+        idle = [c for c in self.connections if c is not self and isinstance(c, GuardedH11Protocol) and c._idle()]
+        idle.sort(key=lambda c: c._last_active)
+        for victim in idle[:len(self.connections) - limit + 1]:
+            victim._disarm_header_timer()
+            victim.connections.discard(victim)  # now, not at connection_lost: this one's request may come first
+            victim.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        self._last_active = self.loop.time()
         if self.conn.their_state is h11.IDLE:
             if self._header_timer is None:
                 self._arm_header_timer()  # the next request on a kept-alive connection

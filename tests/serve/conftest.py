@@ -23,11 +23,12 @@ class Served:
         from ffl_backend.serve.state import ServeConfig, ServerState
 
         header_timeout = config.pop("header_timeout", 1.0)
+        max_connections = config.pop("max_connections", 512)
         self.engine = engine
         self.state = ServerState(ServeConfig(**{"served_model_names": ("tiny",), "body_timeout_s": 1.0,
                                                 "max_body_bytes": 1 << 20, **config}), engine)
         cfg = uvicorn_config(build_app(self.state), self.state, "127.0.0.1", 0, max_header_bytes=8 << 10,
-                             header_timeout=header_timeout)
+                             header_timeout=header_timeout, max_connections=max_connections)
         self.server = make_server(cfg, self.state)
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -47,6 +47,8 @@ BAD_BODIES = {
     "invalid JSON": b"{not json",
     "invalid UTF-8": b'{"prompt": "\xff\xfe"}',
     "deep nesting": b"[" * 100000 + b"]" * 100000,
+    "65 stop_token_ids": body_of({"prompt": WORDS, "stop_token_ids": list(range(3, 68))}),
+    "stop_token_id out of vocab": body_of({"prompt": WORDS, "stop_token_ids": [5, 10**9]}),
 }
 
 
@@ -98,7 +100,8 @@ def test_malformed_http_gets_json_errors(served, head, status):
 
 
 def test_chunked_body_expect_continue_and_bare_lf_are_served(served):
-    chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+    chunked = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+               b"Transfer-Encoding: chunked\r\n\r\n"
                + b"%x\r\n" % len(GOOD) + GOOD + b"\r\n0\r\n\r\n")
     assert status_and_json(timed(served, chunked))[0] == 200
     bare_lf = post_raw("/v1/completions", GOOD).replace(b"\r\n", b"\n")
@@ -198,5 +201,60 @@ def test_queue_cap_answers_429_with_retry_after(tiny_folder):
         slow.join(60)
         still_serves(served)
     finally:
+        served.stop()
+        engine.close()
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x"])
+def test_a_body_not_sent_as_json_gets_415(served, content_type):
+    """What a web page can POST cross-origin without a CORS preflight is never served."""
+    lines = ["POST /v1/completions HTTP/1.1", "Host: x", f"Content-Length: {len(GOOD)}"]
+    lines += [f"Content-Type: {content_type}"] if content_type else []
+    status, body = status_and_json(timed(served, ("\r\n".join(lines) + "\r\n\r\n").encode() + GOOD))
+    assert status == 415 and "application/json" in body["error"]["message"]
+    still_serves(served)
+
+
+def test_json_media_types_with_parameters_are_served(served):
+    for content_type in ("application/json; charset=utf-8", "Application/JSON", "application/vnd.api+json"):
+        head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(GOOD)}\r\n"
+        head += f"Content-Type: {content_type}\r\n\r\n"
+        status, _ = status_and_json(raw_request(served.port, head.encode() + GOOD, timeout=30))
+        assert status == 200, content_type
+
+
+def test_idle_connections_are_closed_first_at_the_connection_cap(tiny_folder):
+    """20 idle connections against a cap of 8: each new one closes the longest idle, so a good request
+    is served at once (uvicorn alone answers 503 until the header deadline frees slots); a connection
+    in the middle of its request is never closed."""
+    engine = make_engine(tiny_folder)
+    served = Served(engine, max_connections=8, header_timeout=30.0)
+    socks = []
+    try:
+        busy = socket.create_connection(("127.0.0.1", served.port), timeout=10)
+        socks.append(busy)
+        busy.sendall(post_raw("/v1/completions", GOOD)[:20])  # a request begun, not finished
+        for _ in range(20):
+            socks.append(socket.create_connection(("127.0.0.1", served.port), timeout=10))
+            time.sleep(0.01)
+        status, body = status_and_json(timed(served, post_raw("/v1/completions", GOOD)))
+        assert status == 200, body
+        closed = 0
+        for sock in socks[1:]:
+            sock.settimeout(0.2)
+            try:
+                closed += sock.recv(10) == b""
+            except socket.timeout:
+                pass
+        assert closed >= 20 - 8 + 1, closed
+        busy.sendall(post_raw("/v1/completions", GOOD)[20:])  # the begun request is still served
+        data = b""
+        while b'"choices"' not in data and (chunk := busy.recv(65536)):
+            data += chunk
+        assert data.startswith(b"HTTP/1.1 200")
+    finally:
+        for sock in socks:
+            sock.close()
         served.stop()
         engine.close()
