@@ -114,7 +114,7 @@ def widen_min_rows(kind: str, n: int, k: int) -> int:
     """The row count from which `kind` ("int8" or "int4") widens an (n, k) weight on this machine
     (autotune.row_threshold over a random weight: the row kernel against widening)."""
     def make() -> dict:
-        row_kernel, widen, _ = _candidate_paths(kind, torch.randn(n, k) / k**0.5)
+        row_kernel, widen, _ = _candidate_paths(kind, n, k)
         return {False: row_kernel, True: widen}
 
     return autotune.row_threshold(f"widen_min_rows:{kind}", (n, k), WIDEN_ROW_CHOICES, _TUNING_ROWS, make)
@@ -124,22 +124,27 @@ def _gemm_paths(kind: str, n: int, k: int):
     """For cpu_gemm's threshold search: a maker of {False: the row kernel, True: fastflow's GEMM} of an
     int8 / int4 linear with a random (n, k) weight."""
     def make() -> dict:
-        row_kernel, _, gemm = _candidate_paths(kind, torch.randn(n, k) / k**0.5)
+        row_kernel, _, gemm = _candidate_paths(kind, n, k)
         return {False: row_kernel, True: gemm}
 
     return make
 
 
-def _candidate_paths(kind: str, w: Tensor) -> tuple:
+def _candidate_paths(kind: str, n: int, k: int) -> tuple:
     """The paths a threshold search times: (row kernel, widen then oneDNN GEMM, fastflow GEMM) for a
-    `kind` quantization of the fp32 weight `w`."""
+    `kind` linear of random (n, k) codes. Codes and scales are drawn as they are stored, never from a
+    float weight: the kernels' speed does not depend on the values, and a 128k-vocabulary head's float
+    weight and its rounding temporaries would be a transient gigabyte (3B int4-all: +1.3 GB peak RSS)."""
     if kind == "int8":
-        q, s = P.quantize_int8(w, torch.bfloat16)
+        q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        s = (torch.rand(n) / 127 / k**0.5).to(torch.bfloat16)
         return (lambda x: torch._weight_int8pack_mm(x, q, s),
                 lambda x: torch.nn.functional.linear(x, q.to(torch.bfloat16) * s[:, None]),
                 lambda x: torch.ops.fastflow_cpu.gemm(x, q, s, None))
     group = INT4_CPU_GROUPS[0]
-    q, s, z = P.quantize_int4(w, group, scale_dtype=torch.bfloat16)
+    q = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    s = (torch.rand(n, k // group) / 8 / k**0.5).to(torch.bfloat16)
+    z = (torch.rand(n, k // group) * 15).to(torch.bfloat16)
     packed, sz = int4_cpu_form(P.pack_int4(q), s, z, group)
     return (lambda x: int4_cpu_linear(x, packed, sz, group, None, path="rows"),
             lambda x: int4_cpu_linear(x, packed, sz, group, None, path="widen"),

@@ -69,6 +69,8 @@ def test_int4_gemm_matches_reference(xdtype, rows, n, k, group_size):
 
 
 def test_opcheck():
+    import ffl_backend.attention.prefill  # noqa: F401  (registers prefill_attention's fake: run alone, nothing else has)
+
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(9, 40, generator=gen, dtype=torch.bfloat16)
     w = torch.randint(-127, 128, (24, 40), generator=gen, dtype=torch.int8)
