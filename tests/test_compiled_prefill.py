@@ -73,16 +73,6 @@ def test_padded_and_one_token_prompts_stay_eager_and_equal(monkeypatch):
     assert calls == []
 
 
-def _real(name: str):
-    if name == "smollm2":
-        return ffl_backend.load_smollm2(torch.float32)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = ffl_backend.gemma3_path()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(folder)
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2", "gemma3"])
 def test_real_model_compiled_prompts_equal_eager_without_recompiles(name, monkeypatch):
@@ -91,7 +81,7 @@ def test_real_model_compiled_prompts_equal_eager_without_recompiles(name, monkey
     from ffl_backend.bench import prompt_ids
 
     torch._dynamo.reset()
-    model, tokenizer = _real(name)
+    model, tokenizer = (ffl_backend.load_smollm2 if name == "smollm2" else ffl_backend.load_gemma3)(torch.float32)
     prompts = {n: prompt_ids(tokenizer, n, str(TEXT)) for n in (17, 333, 700)}
     expected = {n: _greedy(model, ids, 8) for n, ids in prompts.items()}
     ffl_backend.optimize(model, max_seq_len=1024, compile_prefill=True)

@@ -134,7 +134,7 @@ def _candidate_paths(kind: str, n: int, k: int) -> tuple:
     """The paths a threshold search times: (row kernel, widen then oneDNN GEMM, fastflow GEMM) for a
     `kind` linear of random (n, k) codes. Codes and scales are drawn as they are stored, never from a
     float weight: the kernels' speed does not depend on the values, and a 128k-vocabulary head's float
-    weight and its rounding temporaries would be a transient gigabyte (3B int4-all: +1.3 GB peak RSS)."""
+    weight and its rounding temporaries would be a transient gigabyte, at the peak of quantizing a model."""
     if kind == "int8":
         q = torch.randint(-127, 128, (n, k), dtype=torch.int8)
         s = (torch.rand(n) / 127 / k**0.5).to(torch.bfloat16)

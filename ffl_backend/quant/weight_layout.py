@@ -141,8 +141,8 @@ def share_sibling_packs(model: torch.nn.Module) -> int:
     tensor where that tensor is exactly the form of their concatenation, so fusing them later copies
     nothing. Values and results are unchanged; returns the number of groups sharing one form.
     quantize() shares each group as soon as its last member is made (`completed_group`): done here
-    at the end, every group's old forms would be freed only after all the new ones exist (3B int4:
-    +0.74 GB at the peak)."""
+    at the end, every group's old forms would be freed only after all the new ones exist (the peak
+    holding every sibling group's form twice)."""
     return sum(share_sibling_group(members) for members in sibling_groups(model, Int4Linear))
 
 
