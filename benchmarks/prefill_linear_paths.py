@@ -1,19 +1,21 @@
-"""Prompt processing's linears alone: M rows (a 512-token prompt) through one SmolLM2-135M layer's
-seven linears (q, k, v, o, gate, up, down; random weights) per candidate CPU path, bf16 activations.
+"""Prompt processing's linears alone: M rows (a 512-token prompt) through a model's layers' linears
+(random weights) per candidate CPU path, bf16 activations. `--shape smollm2-135m`: one layer's seven
+linears (q, k, v, o, gate, up, down), 30 layers; `--shape llama-3.2-3b`: the four a layer runs after
+optimize()'s horizontal fusion (qkv, o, gate-up, down), 4 layers (0.8 GB of bf16 weights).
 
 Candidates per weight format: the row kernels (torch's int8, fastflow's int4_gemv); the op as
 quant_linear runs it (it widens from WIDEN_MIN_ROWS rows where the CPU has native bf16 matrices);
 "widen then GEMM": the weight widened to bf16 right before a oneDNN bf16 GEMM, whose AMX /
 AVX-512-BF16 paths serve the multiply; for int8 also an integer GEMM (`torch._int_mm`) on
 activations quantized per token; fastflow's fp32 GEMM over weights widened block by block
-(`fastflow_cpu::gemm` / `int4_gemm`, kernels/cpu_gemm.py: the path of CPUs without bf16 matrix
-instructions). Median and min of 5 passes over 30 layers' worth of calls (each layer its own weights,
-as in a real prompt: 212 MB of bf16 weights, streamed from DRAM where the L3 is smaller).
+(`fastflow_cpu::gemm` / `int4_gemm`, kernels/cpu_gemm.py: with AMX, tile multiplies over blocks widened
+in L1 for int8 / int4). Median and min of 5 passes over all layers' calls (each layer its own weights, as
+in a real prompt: SmolLM2's 212 MB of bf16 weights stream from DRAM where the L3 is smaller).
 FFL_CPU_MARCH / ATEN_CPU_CAPABILITY / ONEDNN_MAX_CPU_ISA select the instruction sets (the record says
 which), e.g. the AVX2 proxy on an AVX-512 machine: FFL_CPU_MARCH=x86-64-v3 ATEN_CPU_CAPABILITY=avx2
 ONEDNN_MAX_CPU_ISA=AVX2.
 
-    python benchmarks/prefill_linear_paths.py [--rows 512] \
+    python benchmarks/prefill_linear_paths.py [--rows 512] [--shape smollm2-135m|llama-3.2-3b] \
         [--out benchmarks/results/prefill_linear_paths_cpu_<cpu>.json]
 """
 from __future__ import annotations
@@ -27,19 +29,22 @@ import torch
 import torch.nn.functional as F
 from cpu_gemv_layers import time_passes  # a sibling script: run from the repository root as shown
 
-SMOLLM2_LAYER = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-LAYERS = 30
+SHAPES = {  # (n, k) of one layer's linears, layers
+    "smollm2-135m": ([(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)], 30),
+    "llama-3.2-3b": ([(5120, 3072), (3072, 3072), (16384, 3072), (3072, 8192)], 4),
+}
 GROUP = 32
 
 
-def _layers(rows: int) -> list:
+def _layers(rows: int, shape: str) -> list:
     from ffl_backend import numerics as P
     from ffl_backend.kernels.quant_linear import int4_cpu_form
 
-    x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in (576, 1536)}
+    linears, layers = SHAPES[shape]
+    x = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {k for _, k in linears}}
     out = []
-    for _ in range(LAYERS):
-        for n, k in SMOLLM2_LAYER:
+    for _ in range(layers):
+        for n, k in linears:
             w = torch.randn(n, k) / k**0.5
             q8, s8 = P.quantize_int8(w, torch.bfloat16)
             q4, s4, z4 = P.quantize_int4(w, GROUP, scale_dtype=torch.bfloat16)
@@ -90,6 +95,7 @@ def cpu_model() -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=512)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="smollm2-135m")
     parser.add_argument("--out")
     args = parser.parse_args()
     from ffl_backend.kernels import cpu_lib
@@ -97,8 +103,9 @@ def main() -> None:
     if not cpu_lib.load():
         raise SystemExit(f"CPU kernels not built: {cpu_lib.load_error()}")
     torch.manual_seed(0)
-    layers = _layers(args.rows)
-    flops = 2 * args.rows * sum(n * k for n, k in SMOLLM2_LAYER) * LAYERS
+    layers = _layers(args.rows, args.shape)
+    linears, count = SHAPES[args.shape]
+    flops = 2 * args.rows * sum(n * k for n, k in linears) * count
     results = {}
     for name, fn in candidates().items():
         timing = time_passes(lambda c: fn(c), [(c,) for c in layers], passes=5)
@@ -106,7 +113,8 @@ def main() -> None:
         results[name] = timing
         print(f"{name:<28} {timing['median_ms']:8.1f} ms  (min {timing['min_ms']:.1f})  "
               f"{timing['gflops']:7.1f} GFLOP/s", flush=True)
-    record = {"rows": args.rows, "layers": LAYERS, "group_size": GROUP, "threads": torch.get_num_threads(),
+    record = {"shape": args.shape, "rows": args.rows, "layers": count, "group_size": GROUP,
+              "threads": torch.get_num_threads(),
               "cpu": cpu_model(), "march": cpu_lib.target_arch(), "aten": torch.backends.cpu.get_cpu_capability(),
               "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA", "default"), "torch": torch.__version__,
               "results": results}

@@ -43,7 +43,7 @@ def cache_file():
 def machine_key() -> str:
     """What a choice depends on besides the shape: the CPU model, its matrix and vector instruction
     sets, the instruction sets this process uses (fastflow's build target FFL_CPU_MARCH, ATen's
-    ATEN_CPU_CAPABILITY), and torch (whose kernels are among the candidates)."""
+    ATEN_CPU_CAPABILITY), torch (whose kernels are among the candidates) and fastflow's own kernels."""
     from .cpu_isa import target_arch
 
     model = "?"
@@ -57,7 +57,14 @@ def machine_key() -> str:
                                   ("avx512_bf16", cpu._is_avx512_bf16_supported()),
                                   ("amx", cpu._is_amx_tile_supported())) if has]
     used = f"march {target_arch()}, aten {torch.backends.cpu.get_cpu_capability()}"
-    return f"{model} | {'+'.join(isa) or 'baseline'} | {used} | torch {torch.__version__}"
+    return f"{model} | {'+'.join(isa) or 'baseline'} | {used} | torch {torch.__version__} | {_kernels_build()}"
+
+
+def _kernels_build() -> str:
+    """The kernel library's build (a hash of its sources and flags): a choice timed on other kernels is stale."""
+    from . import cpu_lib
+
+    return cpu_lib.library_path().stem
 
 
 def _load() -> dict:

@@ -14,7 +14,8 @@
 // paid back by every row of the prompt. Sums over K blocks before the last wait in an fp32 buffer; the
 // last block's tile adds the scale and bias and rounds to x's dtype in registers.
 //
-// Paths (compile time, -march): AVX2 + FMA (also what AVX-512 builds run) and portable C++.
+// Paths (compile time, -march): AVX2 + FMA (also what AVX-512 builds run) and portable C++; with AMX, bf16 x
+// against int8 or int4 (G % 32 == 0) weights take tile multiplies instead (cpu_gemm_amx.cpp, chosen at run time).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -33,6 +34,7 @@
 #include <optional>
 #include <vector>
 
+#include "cpu_gemm_amx.h"
 #include "cpu_tile.h"
 
 namespace {
@@ -343,6 +345,36 @@ at::Tensor run(const at::Tensor& x_in, int64_t N, const Pack& pack, const std::v
   return y;
 }
 
+// bf16 x and int8 weights where AMX runs: tile multiplies over blocks widened in L1 (cpu_gemm_amx.cpp)
+at::Tensor gemm_amx_int8(const at::Tensor& x_in, const at::Tensor& w, const std::vector<float>& scale,
+                         const std::vector<float>& bias) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t N = w.size(0), K = w.size(1), M = x.numel() / std::max<int64_t>(K, 1);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0 || N == 0) return y;
+  fastflow_cpu::gemm_amx_int8(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K, w.const_data_ptr<int8_t>(),
+                              N, scale.empty() ? nullptr : scale.data(), bias.empty() ? nullptr : bias.data(),
+                              reinterpret_cast<uint16_t*>(y.mutable_data_ptr()));
+  return y;
+}
+
+// bf16 x and int4 weights (G a multiple of 32) where AMX runs (cpu_gemm_amx.cpp)
+at::Tensor gemm_amx_int4(const at::Tensor& x_in, const at::Tensor& packed, const at::Tensor& scale_zeros,
+                         const std::vector<float>& bias, int64_t group_size) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t N = packed.size(0) * kNR, K = packed.size(1) * 8, M = x.numel() / std::max<int64_t>(K, 1);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  if (M == 0) return y;
+  fastflow_cpu::gemm_amx_int4(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K,
+                              packed.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale_zeros.const_data_ptr()),
+                              group_size, N, bias.empty() ? nullptr : bias.data(), reinterpret_cast<uint16_t*>(y.mutable_data_ptr()));
+  return y;
+}
+
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
                 const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(weight.dim() == 2 && weight.device().is_cpu() && x.dim() >= 1 && weight.size(1) == x.size(-1),
@@ -350,6 +382,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& weight, const std::option
   const at::Tensor w = weight.contiguous();
   const int64_t N = w.size(0), K = w.size(1);
   const std::vector<float> s = floats_of(scale, N, "scale"), b = floats_of(bias, N, "bias");
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kChar && fastflow_cpu::gemm_amx_ready())
+    return gemm_amx_int8(x, w, s, b);
   switch (w.scalar_type()) {
     case at::kBFloat16:
     case at::kHalf: {
@@ -374,6 +408,8 @@ at::Tensor int4_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Te
               "fastflow_cpu::int4_gemm: scale_zeros must be (N/16, K/G, 2, 16) bf16");
   static_assert(kKC % 8 == 0, "int4 panels are whole chunks of 8");
   const at::Tensor p = packed.contiguous(), sz = scale_zeros.contiguous();
+  if (x.scalar_type() == at::kBFloat16 && group_size % 32 == 0 && fastflow_cpu::gemm_amx_ready())
+    return gemm_amx_int4(x, p, sz, floats_of(bias, N, "bias"), group_size);
   const Int4Weight pack{p.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(sz.const_data_ptr()), chunks,
                         groups, group_size, p.numel()};
   return run(x, N, pack, {}, floats_of(bias, N, "bias"));

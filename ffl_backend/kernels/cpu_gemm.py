@@ -1,4 +1,4 @@
-"""`torch.ops.fastflow_cpu.gemm` and `int4_gemm`: a prompt's linears on CPUs without bf16 matrix instructions.
+"""`torch.ops.fastflow_cpu.gemm` and `int4_gemm`: a prompt's linears where torch has no fast kernel for them.
 
     gemm(x, w, scale or None, bias or None)       = (x @ w.T) * scale + bias    w: bf16 / fp16 / int8 (N, K)
     int4_gemm(x, packed, scale_zeros, bias, G)    = x @ W.T + bias              W: int4_gemv's layout
@@ -7,7 +7,10 @@ fp32 products and sums, one rounding to x's dtype (fp32, bf16 or fp16); the refe
 (cpu_gemm.cpp) widens the weight block by block into fp32 panels and runs a register-tiled FMA GEMM:
 on an AVX2 CPU torch's bf16 GEMM is emulated (far below the FMA peak:
 docs/performance.md#decode-attention-packed-linears-and-prompts) and its quantized CPU kernels are
-GEMVs run row after row, so a prompt's linears were the slowest part of a prompt there.
+GEMVs run row after row, so a prompt's linears were the slowest part of a prompt there. On CPUs with
+AMX, bf16 x against int8 weights, or int4 weights in groups of a multiple of 32, takes tile multiplies
+over weight blocks widened to bf16 in L1 instead (cpu_gemm_amx.cpp: the weight read once, the
+multiply on the matrix unit); same definition, fp32 sums in another order.
 
 Who calls it, and from how many rows (`prompt_gemm_min_rows`, searched per machine and weight shape):
 - bf16 / fp16 `nn.Linear`s of a model `optimize()` patched (ffl_backend/prompt_linears.py), on CPUs
@@ -15,7 +18,7 @@ Who calls it, and from how many rows (`prompt_gemm_min_rows`, searched per machi
   bf16 GEMM is the faster one);
 - int8 / int4 weight-only linears (quant_linear.py), where the row kernels would otherwise take a
   prompt row by row; on CPUs with native bf16 matmul, only below the rows from which widening the
-  weight to bf16 for oneDNN is faster (quant_linear.WIDEN_MIN_ROWS).
+  whole weight to bf16 for oneDNN is faster (quant_linear.WIDEN_MIN_ROWS).
 """
 from __future__ import annotations
 

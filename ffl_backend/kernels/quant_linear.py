@@ -96,8 +96,8 @@ def fp8_linear_ref(x: Tensor, qweight: Tensor, w_scale: Tensor, bias: Optional[T
 # Widening costs one pass over the weight, which enough rows repay; how many is searched per machine
 # and weight shape (autotune.py), WIDEN_MIN_ROWS where the search is off. Numerics: the weight
 # rounded once to bf16 (q * s for int8, (q - 8) * s + z' for int4), products in fp32.
-# CPUs without those instructions take fastflow's fp32 GEMM instead (cpu_gemm.py), from a row count
-# searched the same way.
+# Below that, and on CPUs without those instructions, fastflow's GEMM (cpu_gemm.py: AMX tiles over
+# blocks widened in L1, else fp32 tiles) takes over from the row kernels at a row count searched the same way.
 WIDEN_MIN_ROWS = 32
 WIDEN_ROW_CHOICES = (WIDEN_MIN_ROWS, 8, 16, 64, 128, 1 << 30)  # the last: never widen
 _TUNING_ROWS = (8, 16, 32, 64, 128)  # the prompt sizes a threshold is judged on
@@ -112,10 +112,15 @@ def _widens(x: Tensor, kind: str, n: int, k: int) -> bool:
 
 def widen_min_rows(kind: str, n: int, k: int) -> int:
     """The row count from which `kind` ("int8" or "int4") widens an (n, k) weight on this machine
-    (autotune.row_threshold over a random weight: the row kernel against widening)."""
+    (autotune.row_threshold over a random weight: widening against what runs below its threshold --
+    fastflow's GEMM from its own threshold, else the row kernel)."""
     def make() -> dict:
-        row_kernel, widen, _ = _candidate_paths(kind, n, k)
-        return {False: row_kernel, True: widen}
+        row_kernel, widen, gemm = _candidate_paths(kind, n, k)
+
+        def below(x):
+            return (gemm if cpu_gemm.use_gemm(x, kind, n, k, _gemm_paths(kind, n, k)) else row_kernel)(x)
+
+        return {False: below, True: widen}
 
     return autotune.row_threshold(f"widen_min_rows:{kind}", (n, k), WIDEN_ROW_CHOICES, _TUNING_ROWS, make)
 
