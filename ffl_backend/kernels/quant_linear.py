@@ -114,11 +114,15 @@ def widen_min_rows(kind: str, n: int, k: int) -> int:
     """The row count from which `kind` ("int8" or "int4") widens an (n, k) weight on this machine
     (autotune.row_threshold over a random weight: widening against what runs below its threshold --
     fastflow's GEMM from its own threshold, else the row kernel)."""
+    # the GEMM's own threshold first: a search inside another would wait on autotune's lock
+    gemm_from = cpu_gemm.prompt_gemm_min_rows(kind, n, k, _gemm_paths(kind, n, k)) if cpu_gemm.available() else None
+
     def make() -> dict:
         row_kernel, widen, gemm = _candidate_paths(kind, n, k)
 
         def below(x):
-            return (gemm if cpu_gemm.use_gemm(x, kind, n, k, _gemm_paths(kind, n, k)) else row_kernel)(x)
+            rows = x.numel() // x.shape[-1]
+            return (gemm if gemm_from is not None and rows >= gemm_from else row_kernel)(x)
 
         return {False: below, True: widen}
 

@@ -62,6 +62,8 @@ def test_widen_threshold_is_searched_once_per_shape(tuning, kind):
     saved = json.loads(tuning.read_text())[autotune.machine_key()]  # (with the prefetch search where
     assert saved[f"widen_min_rows:{kind}[64, 128]"] == rows             # the library loaded in this test)
     assert not [key for key in saved if key.startswith("widen") and key != f"widen_min_rows:{kind}[64, 128]"]
+    if K.cpu_gemm.available():  # what runs below widening: the GEMM from its own threshold, searched first
+        assert saved[f"prompt_gemm_min_rows:{kind}[64, 128]"] in K.cpu_gemm.MIN_ROWS_CHOICES
     x = torch.randn(max(8, min(rows, 256)), 128, dtype=torch.bfloat16)
     assert K._widens(x, kind, 64, 128) == (rows <= x.shape[0] and K.cpu_gemm.native_bf16_matmul())
 
