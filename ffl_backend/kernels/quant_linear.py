@@ -99,8 +99,10 @@ def fp8_linear_ref(x: Tensor, qweight: Tensor, w_scale: Tensor, bias: Optional[T
 # Below that, and on CPUs without those instructions, fastflow's GEMM (cpu_gemm.py: AMX tiles over
 # blocks widened in L1, else fp32 tiles) takes over from the row kernels at a row count searched the same way.
 WIDEN_MIN_ROWS = 32
-WIDEN_ROW_CHOICES = (WIDEN_MIN_ROWS, 8, 16, 64, 128, 1 << 30)  # the last: never widen
-_TUNING_ROWS = (8, 16, 32, 64, 128)  # the prompt sizes a threshold is judged on
+WIDEN_ROW_CHOICES = (WIDEN_MIN_ROWS, 8, 16, 64, 128, 256, 1 << 30)  # the last: never widen
+# the prompt sizes a threshold is judged on: 512 too, where the AMX GEMM below can win every smaller size
+# and still lose a long prompt to widening (docs/performance.md#prompts-on-amx)
+_TUNING_ROWS = (8, 16, 32, 64, 128, 512)
 
 
 def _widens(x: Tensor, kind: str, n: int, k: int) -> bool:
