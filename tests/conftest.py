@@ -70,7 +70,8 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    """The default run is the fast set (what CI runs); `--slow` or an explicit `-m` adds the rest."""
+    """The default run is the fast set (the README's test command); `--slow` (CI: .ci/run) or an explicit `-m`
+    adds the rest."""
     if config.getoption("--slow") or config.getoption("markexpr"):
         return
     slow = [item for item in items if "slow" in item.keywords]
