@@ -98,40 +98,54 @@ void store_outputs(const float* c, int64_t blocks, int64_t n0, int64_t N, int64_
     }
 }
 
-// Up to kBlocks int8 weight blocks from n0 against the packed x tiles `xb` (x as B).
-void int8_blocks(const int8_t* w, int64_t N, int64_t K, int64_t n0, const uint16_t* xb, uint16_t* a, float* c) {
-  const int64_t steps = (K + kKT - 1) / kKT, blocks = std::min(kBlocks, (N - n0 + kT - 1) / kT);
-  _tile_zero(0);  // tile macros are asm statements: one per statement
+// Accumulator tiles 0-3: zeroed, and stored as 4 consecutive 16 x 16 fp32 blocks of c
+inline void zero_accumulators() {
+  _tile_zero(0);  // tile macros are asm statements with the tile number spelled in: one per statement
   _tile_zero(1);
   _tile_zero(2);
   _tile_zero(3);
-  for (int64_t s = 0; s < steps; ++s) {
-    const int64_t k0 = s * kKT;
-    _tile_loadd(4, xb + s * kT * kT * 2, 64);
-    // tile numbers are immediates: the four blocks spelled out (a block past N is zeros, multiplied anyway)
-    widen_block(w, N, K, n0, k0, a);
-    _tile_loadd(5, a, 64);
-    _tile_dpbf16ps(0, 5, 4);
-    if (blocks > 1) {
-      widen_block(w, N, K, n0 + kT, k0, a + kT * kKT);
-      _tile_loadd(6, a + kT * kKT, 64);
-      _tile_dpbf16ps(1, 6, 4);
-    }
-    if (blocks > 2) {
-      widen_block(w, N, K, n0 + 2 * kT, k0, a + 2 * kT * kKT);
-      _tile_loadd(7, a + 2 * kT * kKT, 64);
-      _tile_dpbf16ps(2, 7, 4);
-    }
-    if (blocks > 3) {
-      widen_block(w, N, K, n0 + 3 * kT, k0, a + 3 * kT * kKT);
-      _tile_loadd(5, a + 3 * kT * kKT, 64);
-      _tile_dpbf16ps(3, 5, 4);
-    }
-  }
+}
+
+inline void store_accumulators(float* c) {
   _tile_stored(0, c, 64);
   _tile_stored(1, c + kT * kT, 64);
   _tile_stored(2, c + 2 * kT * kT, 64);
   _tile_stored(3, c + 3 * kT * kT, 64);
+}
+
+// One K step of up to kBlocks weight blocks against the x tile already in tile 4: block b is made by
+// fill(b, buf + b * 512) and multiplied into accumulator b, the weight as A (int8) or as B (int4)
+template <bool kWeightIsA, class Fill>
+inline void multiply_blocks(int64_t blocks, uint16_t* buf, Fill fill) {
+  fill(0, buf);
+  _tile_loadd(5, buf, 64);
+  if constexpr (kWeightIsA) _tile_dpbf16ps(0, 5, 4); else _tile_dpbf16ps(0, 4, 5);
+  if (blocks > 1) {
+    fill(1, buf + kT * kKT);
+    _tile_loadd(6, buf + kT * kKT, 64);
+    if constexpr (kWeightIsA) _tile_dpbf16ps(1, 6, 4); else _tile_dpbf16ps(1, 4, 6);
+  }
+  if (blocks > 2) {
+    fill(2, buf + 2 * kT * kKT);
+    _tile_loadd(7, buf + 2 * kT * kKT, 64);
+    if constexpr (kWeightIsA) _tile_dpbf16ps(2, 7, 4); else _tile_dpbf16ps(2, 4, 7);
+  }
+  if (blocks > 3) {
+    fill(3, buf + 3 * kT * kKT);
+    _tile_loadd(5, buf + 3 * kT * kKT, 64);
+    if constexpr (kWeightIsA) _tile_dpbf16ps(3, 5, 4); else _tile_dpbf16ps(3, 4, 5);
+  }
+}
+
+// Up to kBlocks int8 weight blocks from n0 against the packed x tiles `xb` (x as B), into c
+void int8_blocks(const int8_t* w, int64_t N, int64_t K, int64_t n0, const uint16_t* xb, uint16_t* a, float* c) {
+  const int64_t steps = (K + kKT - 1) / kKT, blocks = std::min(kBlocks, (N - n0 + kT - 1) / kT);
+  zero_accumulators();
+  for (int64_t s = 0; s < steps; ++s) {
+    _tile_loadd(4, xb + s * kT * kT * 2, 64);
+    multiply_blocks<true>(blocks, a, [&](int64_t b, uint16_t* out) { widen_block(w, N, K, n0 + b * kT, s * kKT, out); });
+  }
+  store_accumulators(c);
 }
 
 
@@ -198,35 +212,14 @@ void int4_blocks(const Int4Layout& w, int64_t first, int64_t blocks, const uint1
   const int64_t steps_per_group = w.group_size / kKT;
   std::memset(acc, 0, kBlocks * kT * kT * sizeof(float));
   for (int64_t g = 0; g < w.groups; ++g) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    zero_accumulators();
     for (int64_t s = g * steps_per_group; s < (g + 1) * steps_per_group; ++s) {
       _tile_loadd(4, xa + s * kT * kKT, 64);
-      unpack_int4(w.codes, w.chunks, first, s, lookup, b);
-      _tile_loadd(5, b, 64);
-      _tile_dpbf16ps(0, 4, 5);
-      if (blocks > 1) {
-        unpack_int4(w.codes, w.chunks, first + 1, s, lookup, b + kT * kKT);
-        _tile_loadd(6, b + kT * kKT, 64);
-        _tile_dpbf16ps(1, 4, 6);
-      }
-      if (blocks > 2) {
-        unpack_int4(w.codes, w.chunks, first + 2, s, lookup, b + 2 * kT * kKT);
-        _tile_loadd(7, b + 2 * kT * kKT, 64);
-        _tile_dpbf16ps(2, 4, 7);
-      }
-      if (blocks > 3) {
-        unpack_int4(w.codes, w.chunks, first + 3, s, lookup, b + 3 * kT * kKT);
-        _tile_loadd(5, b + 3 * kT * kKT, 64);
-        _tile_dpbf16ps(3, 4, 5);
-      }
+      multiply_blocks<false>(blocks, b, [&](int64_t i, uint16_t* out) {
+        unpack_int4(w.codes, w.chunks, first + i, s, lookup, out);
+      });
     }
-    _tile_stored(0, c, 64);
-    _tile_stored(1, c + kT * kT, 64);
-    _tile_stored(2, c + 2 * kT * kT, 64);
-    _tile_stored(3, c + 3 * kT * kT, 64);
+    store_accumulators(c);
     scale_group(w, first, blocks, g, c, sums + g * kT, acc);
   }
 }
