@@ -322,6 +322,13 @@ const float* pack_x(const at::Tensor& x, int64_t M, int64_t K, std::vector<float
   return xp;
 }
 
+// y for x (..., K) against N weight rows: (..., N), x's dtype
+at::Tensor empty_output(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = N;
+  return at::empty(shape, x.options());
+}
+
 template <typename Pack>
 at::Tensor run(const at::Tensor& x_in, int64_t N, const Pack& pack, const std::vector<float>& scale,
                const std::vector<float>& bias) {
@@ -330,9 +337,7 @@ at::Tensor run(const at::Tensor& x_in, int64_t N, const Pack& pack, const std::v
               "fastflow_cpu::gemm: x must be a float32, bfloat16 or float16 CPU tensor");
   const at::Tensor x = x_in.contiguous();
   const int64_t K = x.size(-1), M = x.numel() / std::max<int64_t>(K, 1);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = empty_output(x, N);
   if (M == 0 || N == 0) return y;
   thread_local std::vector<float> x_buffer;
   const float* xp = pack_x(x, M, K, x_buffer);
@@ -350,9 +355,7 @@ at::Tensor gemm_amx_int8(const at::Tensor& x_in, const at::Tensor& w, const std:
                          const std::vector<float>& bias) {
   const at::Tensor x = x_in.contiguous();
   const int64_t N = w.size(0), K = w.size(1), M = x.numel() / std::max<int64_t>(K, 1);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = empty_output(x, N);
   if (M == 0 || N == 0) return y;
   fastflow_cpu::gemm_amx_int8(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K, w.const_data_ptr<int8_t>(),
                               N, scale.empty() ? nullptr : scale.data(), bias.empty() ? nullptr : bias.data(),
@@ -365,9 +368,7 @@ at::Tensor gemm_amx_int4(const at::Tensor& x_in, const at::Tensor& packed, const
                          const std::vector<float>& bias, int64_t group_size) {
   const at::Tensor x = x_in.contiguous();
   const int64_t N = packed.size(0) * kNR, K = packed.size(1) * 8, M = x.numel() / std::max<int64_t>(K, 1);
-  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor y = empty_output(x, N);
   if (M == 0) return y;
   fastflow_cpu::gemm_amx_int4(reinterpret_cast<const uint16_t*>(x.const_data_ptr()), M, K,
                               packed.const_data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale_zeros.const_data_ptr()),
